@@ -1,0 +1,1 @@
+"""Shipped tree templates and example configurations."""

@@ -1,0 +1,3 @@
+"""Token Recycling speculative decoding for vLLM."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,171 @@
+"""Static draft-tree templates.
+
+A template is a list of paths; a path names a node by the child rank taken at each level below
+the root: ``[0]`` is the root's top-1 successor, ``[0, 2]`` the third successor of that node. A
+node's token is ``adj[token[parent], rank]``. Compiled, node 0 is the root (the request's last
+token) and nodes 1..N follow in breadth-first order, so every level is a contiguous slice and
+every prefix of the node list is itself a valid tree.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+MAX_DEPTH = 16
+MAX_NODES = 256
+DEFAULT_TREE = "2.2.2"
+
+
+class TreeTemplateError(ValueError):
+    """A template that cannot be compiled; the message names the offending node."""
+
+
+@dataclass(frozen=True)
+class TreeTemplate:
+    """A compiled template. N = number of draft nodes, D = maximum depth; index 0 is the root.
+
+    parent     [N+1] int64, parent node index (-1 for the root)
+    depth      [N+1] int64, 0 for the root
+    rank       [N+1] int64, child rank under the parent (0 for the root)
+    ancestors  [N+1, N+1] bool, ancestors[i, j]: j is i or an ancestor of i (the tree mask)
+    node_path  [N+1, D+1] int64, node indices from the root down to node i, -1 padded
+    leaf_paths [L, D+1] int64, node_path rows of the leaves, in node order
+    earlier_sibling [N+1, N+1] bool, [i, j]: j has i's parent and j < i
+    level_starts: nodes of depth d are level_starts[d]:level_starts[d+1]
+    """
+
+    name: str
+    paths: tuple[tuple[int, ...], ...]
+    parent: torch.Tensor
+    depth: torch.Tensor
+    rank: torch.Tensor
+    ancestors: torch.Tensor
+    node_path: torch.Tensor
+    leaf_paths: torch.Tensor
+    earlier_sibling: torch.Tensor
+    level_starts: tuple[int, ...]
+
+    @property
+    def num_nodes(self) -> int:
+        """Draft nodes, the root excluded: the number of speculative tokens per step."""
+        return len(self.paths)
+
+    @property
+    def max_depth(self) -> int:
+        return len(self.level_starts) - 2
+
+    @property
+    def max_rank(self) -> int:
+        return max(p[-1] for p in self.paths)
+
+    def to(self, device: torch.device | str) -> "TreeTemplate":
+        tensors = {
+            f: getattr(self, f).to(device)
+            for f in ("parent", "depth", "rank", "ancestors", "node_path", "leaf_paths",
+                      "earlier_sibling")
+        }
+        return TreeTemplate(self.name, self.paths, level_starts=self.level_starts, **tensors)
+
+
+def shipped_trees() -> dict[str, Path]:
+    """Template names shipped in ``configs/trees`` and their files."""
+    folder = resources.files("vllm_recycling.configs") / "trees"
+    return {Path(f.name).stem: Path(str(f)) for f in folder.iterdir() if f.name.endswith(".json")}
+
+
+def load_tree(spec: str | Path | Sequence[Sequence[int]], topk: int) -> TreeTemplate:
+    """Load a template from a shipped name, a JSON file path, or an inline list of paths.
+
+    A file holds either a list of paths or ``{"name": ..., "paths": [...]}``.
+    """
+    if isinstance(spec, (str, Path)):
+        shipped = shipped_trees()
+        if isinstance(spec, str) and spec in shipped:
+            name, path = spec, shipped[spec]
+        else:
+            path = Path(spec)
+            if not path.is_file():
+                raise TreeTemplateError(
+                    f"tree {str(spec)!r} is neither a shipped template ({', '.join(sorted(shipped))}) "
+                    "nor a readable file"
+                )
+            name = path.stem
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise TreeTemplateError(f"tree file {path}: {e}") from e
+        if isinstance(data, dict):
+            name = data.get("name", name)
+            data = data.get("paths")
+        return compile_tree(data, topk=topk, name=name)
+    return compile_tree(spec, topk=topk, name="inline")
+
+
+def compile_tree(paths: Sequence[Sequence[int]], topk: int, name: str = "inline") -> TreeTemplate:
+    """Validate a list of paths and compile it to index tensors.
+
+    Rules: at least one node; each path a non-empty list of ints with 0 <= rank < topk; depth at
+    most MAX_DEPTH; no path twice; every node's parent listed before it. Nodes are then ordered
+    breadth-first (stable within a level), which keeps parents before children.
+    """
+    if not isinstance(paths, (list, tuple)) or len(paths) == 0:
+        raise TreeTemplateError(f"tree {name!r}: expected a non-empty list of paths, got {paths!r}")
+    if len(paths) > MAX_NODES:
+        raise TreeTemplateError(f"tree {name!r}: {len(paths)} nodes, at most {MAX_NODES} allowed")
+    seen: dict[tuple[int, ...], int] = {(): -1}
+    for i, p in enumerate(paths):
+        where = f"tree {name!r} node {i} {p!r}"
+        if not isinstance(p, (list, tuple)) or len(p) == 0 or not all(
+            isinstance(r, int) and not isinstance(r, bool) for r in p
+        ):
+            raise TreeTemplateError(f"{where}: a path must be a non-empty list of integer ranks")
+        p = tuple(p)
+        if len(p) > MAX_DEPTH:
+            raise TreeTemplateError(f"{where}: depth {len(p)} exceeds the limit {MAX_DEPTH}")
+        bad = [r for r in p if not 0 <= r < topk]
+        if bad:
+            raise TreeTemplateError(f"{where}: rank {bad[0]} outside 0..{topk - 1} (topk={topk})")
+        if p in seen:
+            raise TreeTemplateError(f"{where}: duplicate of node {seen[p]}")
+        if p[:-1] not in seen:
+            raise TreeTemplateError(f"{where}: its parent {list(p[:-1])} is not listed before it")
+        seen[p] = i
+
+    ordered = sorted((tuple(p) for p in paths), key=len)  # stable: keeps order within a level
+    index = {(): 0} | {p: i + 1 for i, p in enumerate(ordered)}
+    n1 = len(ordered) + 1
+    max_depth = len(ordered[-1])
+    parent = [-1] + [index[p[:-1]] for p in ordered]
+    depth = [0] + [len(p) for p in ordered]
+    rank = [0] + [p[-1] for p in ordered]
+
+    node_path = torch.full((n1, max_depth + 1), -1, dtype=torch.int64)
+    ancestors = torch.zeros((n1, n1), dtype=torch.bool)
+    for i, p in enumerate([()] + ordered):
+        chain = [index[p[:d]] for d in range(len(p) + 1)]
+        node_path[i, : len(chain)] = torch.tensor(chain)
+        ancestors[i, chain] = True
+    parent_t = torch.tensor(parent, dtype=torch.int64)
+    is_leaf = torch.ones(n1, dtype=torch.bool)
+    is_leaf[parent_t[1:]] = False
+    idx = torch.arange(n1)
+    earlier_sibling = (parent_t[:, None] == parent_t[None, :]) & (idx[None, :] < idx[:, None])
+    level_starts = tuple(depth.index(d) for d in range(max_depth + 1)) + (n1,)
+    return TreeTemplate(
+        name=name,
+        paths=tuple(ordered),
+        parent=parent_t,
+        depth=torch.tensor(depth, dtype=torch.int64),
+        rank=torch.tensor(rank, dtype=torch.int64),
+        ancestors=ancestors,
+        node_path=node_path,
+        leaf_paths=node_path[is_leaf],
+        earlier_sibling=earlier_sibling,
+        level_starts=level_starts,
+    )

@@ -37,6 +37,8 @@ class TreeTemplate:
     node_path  [N+1, D+1] int64, node indices from the root down to node i, -1 padded
     leaf_paths [L, D+1] int64, node_path rows of the leaves, in node order
     earlier_sibling [N+1, N+1] bool, [i, j]: j has i's parent and j < i
+    rank_path  [N+1, D] int64, the ranks taken from the root down to node i, -1 padded (lets a
+               kernel compute any node's token on its own, without waiting for its parent's)
     level_starts: nodes of depth d are level_starts[d]:level_starts[d+1]
     """
 
@@ -49,6 +51,7 @@ class TreeTemplate:
     node_path: torch.Tensor
     leaf_paths: torch.Tensor
     earlier_sibling: torch.Tensor
+    rank_path: torch.Tensor
     level_starts: tuple[int, ...]
 
     @property
@@ -68,7 +71,7 @@ class TreeTemplate:
         tensors = {
             f: getattr(self, f).to(device)
             for f in ("parent", "depth", "rank", "ancestors", "node_path", "leaf_paths",
-                      "earlier_sibling")
+                      "earlier_sibling", "rank_path")
         }
         return TreeTemplate(self.name, self.paths, level_starts=self.level_starts, **tensors)
 
@@ -146,11 +149,13 @@ def compile_tree(paths: Sequence[Sequence[int]], topk: int, name: str = "inline"
     rank = [0] + [p[-1] for p in ordered]
 
     node_path = torch.full((n1, max_depth + 1), -1, dtype=torch.int64)
+    rank_path = torch.full((n1, max_depth), -1, dtype=torch.int64)
     ancestors = torch.zeros((n1, n1), dtype=torch.bool)
     for i, p in enumerate([()] + ordered):
         chain = [index[p[:d]] for d in range(len(p) + 1)]
         node_path[i, : len(chain)] = torch.tensor(chain)
         ancestors[i, chain] = True
+        rank_path[i, : len(p)] = torch.tensor(p, dtype=torch.int64)
     parent_t = torch.tensor(parent, dtype=torch.int64)
     is_leaf = torch.ones(n1, dtype=torch.bool)
     is_leaf[parent_t[1:]] = False
@@ -167,5 +172,6 @@ def compile_tree(paths: Sequence[Sequence[int]], topk: int, name: str = "inline"
         node_path=node_path,
         leaf_paths=node_path[is_leaf],
         earlier_sibling=earlier_sibling,
+        rank_path=rank_path,
         level_starts=level_starts,
     )

@@ -1,0 +1,131 @@
+"""Mean accepted tokens per step (MAT) of the reference decoder on Spec-Bench prompts.
+
+For every template and for hot start (one matrix kept across the prompts, in file order: the
+paper's setting) and cold start (a fresh matrix per prompt), greedy decoding at batch 1 on the
+default model. MAT counts the bonus token, so plain decoding scores 1.00; "pooled" divides all
+tokens by all steps, "mean" averages the per-prompt MATs.
+
+    python benchmarks/reference_mat.py                 # all shipped trees, 52 prompts, 128 tokens
+    python benchmarks/reference_mat.py --trees 2.2.2 --per-category 2
+
+Writes benchmarks/results/reference_mat.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from vllm_recycling.matrix import AdjacencyMatrix
+from vllm_recycling.models import prepare_model
+from vllm_recycling.prompts import chat_prompt_ids, spec_bench_questions
+from vllm_recycling.reference import ReferenceDecoder
+from vllm_recycling.tree import load_tree, shipped_trees
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--trees", default=",".join(sorted(shipped_trees())), help="comma-separated names")
+    p.add_argument("--starts", default="hot,cold")
+    p.add_argument("--questions", default=None, help="a Spec-Bench question.jsonl (default: the shipped sample)")
+    p.add_argument("--per-category", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--out", default=str(RESULTS / "reference_mat"), help="path stem for .json and .md")
+    args = p.parse_args(argv)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = prepare_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
+    vocab = model.config.vocab_size
+    questions = spec_bench_questions(args.questions, args.per_category)
+    prompts = [chat_prompt_ids(tokenizer, q["turns"][0]) for q in questions]
+    categories = list(dict.fromkeys(q["category"] for q in questions))
+
+    runs = []
+    for tree_name in args.trees.split(","):
+        tree = load_tree(tree_name, args.topk)
+        for start in args.starts.split(","):
+            # hot: one shared matrix for all prompts; cold: a fresh matrix for each prompt
+            scope = {"hot": "shared", "cold": "per_request"}[start]
+            decoder = ReferenceDecoder(model, tree, AdjacencyMatrix(vocab, args.topk, scope))
+            steps: dict[str, list[int]] = defaultdict(list)
+            per_prompt, tokens_out, t0 = [], 0, time.time()
+            for i, (q, ids) in enumerate(zip(questions, prompts)):
+                g = decoder.generate(ids, args.max_new_tokens, eos_token_id=tokenizer.eos_token_id)
+                steps[q["category"]] += g.tokens_per_step
+                per_prompt.append(g.mat)
+                tokens_out += len(g.tokens)
+                print(f"\r{tree_name:>7} {start}: {i + 1}/{len(prompts)} prompts, "
+                      f"MAT so far {_mat(sum(steps.values(), [])):.2f}", end="", file=sys.stderr)
+            elapsed = time.time() - t0
+            print(file=sys.stderr)
+            all_steps = sum(steps.values(), [])
+            runs.append({
+                "tree": tree_name, "nodes": tree.num_nodes, "start": start,
+                "mat_pooled": _mat(all_steps), "mat_mean_of_prompts": sum(per_prompt) / len(per_prompt),
+                "per_category": {c: _mat(steps[c]) for c in categories},
+                "steps": len(all_steps), "tokens": tokens_out, "seconds": round(elapsed, 1),
+            })
+
+    meta = {
+        "benchmark": "reference decoder MAT (greedy, batch 1)",
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
+        if not torch.cuda.is_available() else torch.cuda.get_device_name(),
+        "model": args.model, "dtype": args.dtype, "topk": args.topk,
+        "prompts": len(prompts), "per_category": args.per_category,
+        "questions": args.questions or "shipped Spec-Bench sample",
+        "max_new_tokens": args.max_new_tokens, "torch": torch.__version__,
+    }
+    table = _markdown(meta, runs, categories)
+    print(table)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=2) + "\n")
+    out.with_suffix(".md").write_text(table)
+    return 0
+
+
+def _mat(steps: list[int]) -> float:
+    return sum(steps) / max(len(steps), 1)
+
+
+def _markdown(meta: dict, runs: list[dict], categories: list[str]) -> str:
+    lines = [
+        f"# Reference decoder MAT, {meta['model']} ({meta['dtype']}), {meta['date']}",
+        "",
+        f"{meta['machine']}; greedy, batch 1, top-k {meta['topk']}; {meta['prompts']} prompts "
+        f"({meta['questions']}, {meta['per_category']} per category, turns[0], chat template), "
+        f"{meta['max_new_tokens']} new tokens. MAT = tokens per verification step, bonus included "
+        "(pooled over steps); hot = one matrix kept across prompts in file order, cold = fresh "
+        "matrix per prompt.",
+        "",
+        "| tree | nodes | start | MAT | mean of prompts | " + " | ".join(categories) + " | s |",
+        "|---|---|---|---|---|" + "---|" * len(categories) + "---|",
+    ]
+    for r in runs:
+        cats = " | ".join(f"{r['per_category'][c]:.2f}" for c in categories)
+        lines.append(
+            f"| {r['tree']} | {r['nodes']} | {r['start']} | **{r['mat_pooled']:.2f}** | "
+            f"{r['mat_mean_of_prompts']:.2f} | {cats} | {r['seconds']:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

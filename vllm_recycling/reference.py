@@ -1,0 +1,130 @@
+"""A plain transformers decoding loop running the whole method at batch 1.
+
+It is the oracle the vLLM integration is measured against: prefill the prompt, then each step
+draft a tree from the last token, verify it in one forward pass with a 4-D tree mask and
+positions = prefix length + depth, update the matrix from every node's logits, accept a path,
+and keep only the root and the accepted path in the KV cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm_recycling.accept import accept, sample_from_logits
+from vllm_recycling.draft import draft_tokens
+from vllm_recycling.matrix import AdjacencyMatrix
+from vllm_recycling.tree import TreeTemplate
+
+
+@dataclass
+class Generation:
+    """tokens: the generated ids (EOS included when hit). tokens_per_step: for every tree step,
+    the tokens the verifier emitted (accepted draft nodes + 1), before truncation to the limit.
+    The first token comes from the prefill and counts in no step, as in vLLM."""
+
+    tokens: list[int] = field(default_factory=list)
+    tokens_per_step: list[int] = field(default_factory=list)
+
+    @property
+    def mat(self) -> float:
+        """Mean accepted tokens per step, the bonus token included."""
+        return sum(self.tokens_per_step) / max(len(self.tokens_per_step), 1)
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+
+
+class ReferenceDecoder:
+    """model: a Hugging Face causal LM (Llama-like, DynamicCache); tree and matrix from the core."""
+
+    def __init__(self, model, tree: TreeTemplate, matrix: AdjacencyMatrix) -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.tree = tree.to(self.device)
+        self.matrix = matrix
+        n1 = tree.num_nodes + 1
+        mask = torch.zeros((n1, n1), dtype=model.dtype, device=self.device)
+        self.tree_bias = mask.masked_fill(~self.tree.ancestors, torch.finfo(model.dtype).min)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        eos_token_id: int | list[int] | None = None,
+        sampling: SamplingSettings = SamplingSettings(),
+        request_id: str = "0",
+    ) -> Generation:
+        from transformers import DynamicCache
+
+        eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
+        generator = None
+        if sampling.seed is not None:
+            generator = torch.Generator(self.device).manual_seed(sampling.seed)
+        n1 = self.tree.num_nodes + 1
+        temperature = torch.full((n1,), sampling.temperature, device=self.device)
+        top_k = None if sampling.top_k is None else torch.full((n1,), sampling.top_k, device=self.device)
+        top_p = None if sampling.top_p is None else torch.full((n1,), sampling.top_p, device=self.device)
+        greedy = sampling.temperature <= 0
+
+        def pick(tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+            argmax = self.matrix.update(tokens, logits, row_base)
+            if greedy:
+                return argmax
+            m = logits.shape[0]
+            return sample_from_logits(
+                logits, temperature[:m],
+                None if top_k is None else top_k[:m], None if top_p is None else top_p[:m],
+                generator,
+            )
+
+        self.matrix.allocate(request_id)
+        row_base = self.matrix.row_base([request_id])
+        out = Generation()
+        try:
+            cache = DynamicCache()
+            prompt = torch.tensor([prompt_ids], device=self.device)
+            logits = self.model(input_ids=prompt, past_key_values=cache, use_cache=True).logits
+            out.tokens.append(int(pick(prompt[:, -1:], logits[0, -1:].float())[0]))
+            while len(out.tokens) < max_new_tokens and out.tokens[-1] not in eos:
+                prefix = cache.get_seq_length()
+                root = torch.tensor([out.tokens[-1]], device=self.device)
+                tokens = draft_tokens(self.matrix.table, root, self.tree, row_base)
+                mask = torch.cat(
+                    [torch.zeros((n1, prefix), dtype=self.tree_bias.dtype, device=self.device),
+                     self.tree_bias], dim=1)
+                logits = self.model(
+                    input_ids=tokens.long(),
+                    position_ids=(prefix + self.tree.depth)[None],
+                    attention_mask=mask[None, None],
+                    past_key_values=cache,
+                    use_cache=True,
+                ).logits[0].float()
+                target = pick(tokens, logits)
+                path = accept(self.tree, tokens, target[None], greedy)
+                accepted = int(path.num_accepted[0])
+                _keep_path(cache, prefix, path.nodes[0, : accepted + 1])
+                out.tokens_per_step.append(accepted + 1)
+                for token in path.output_tokens[0, : accepted + 1].tolist():
+                    out.tokens.append(token)
+                    if token in eos or len(out.tokens) == max_new_tokens:
+                        break
+        finally:
+            self.matrix.free(request_id)
+        return out
+
+
+def _keep_path(cache, prefix: int, nodes: torch.Tensor) -> None:
+    """KV compaction: the tree's entries start at ``prefix``; keep the root and the accepted
+    nodes, in depth order, at positions prefix, prefix+1, ..."""
+    keep = torch.cat([torch.arange(prefix, device=nodes.device), prefix + nodes])
+    for layer in cache.layers:
+        layer.keys = layer.keys.index_select(-2, keep)
+        layer.values = layer.values.index_select(-2, keep)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import multiprocessing
 import platform
 import sys
 import time
@@ -43,44 +44,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--jobs", type=int, default=1, help="runs in parallel, one thread each")
     p.add_argument("--out", default=str(RESULTS / "reference_mat"), help="path stem for .json and .md")
     args = p.parse_args(argv)
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = prepare_model(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
-    vocab = model.config.vocab_size
     questions = spec_bench_questions(args.questions, args.per_category)
-    prompts = [chat_prompt_ids(tokenizer, q["turns"][0]) for q in questions]
     categories = list(dict.fromkeys(q["category"] for q in questions))
-
-    runs = []
-    for tree_name in args.trees.split(","):
-        tree = load_tree(tree_name, args.topk)
-        for start in args.starts.split(","):
-            # hot: one shared matrix for all prompts; cold: a fresh matrix for each prompt
-            scope = {"hot": "shared", "cold": "per_request"}[start]
-            decoder = ReferenceDecoder(model, tree, AdjacencyMatrix(vocab, args.topk, scope))
-            steps: dict[str, list[int]] = defaultdict(list)
-            per_prompt, tokens_out, t0 = [], 0, time.time()
-            for i, (q, ids) in enumerate(zip(questions, prompts)):
-                g = decoder.generate(ids, args.max_new_tokens, eos_token_id=tokenizer.eos_token_id)
-                steps[q["category"]] += g.tokens_per_step
-                per_prompt.append(g.mat)
-                tokens_out += len(g.tokens)
-                print(f"\r{tree_name:>7} {start}: {i + 1}/{len(prompts)} prompts, "
-                      f"MAT so far {_mat(sum(steps.values(), [])):.2f}", end="", file=sys.stderr)
-            elapsed = time.time() - t0
-            print(file=sys.stderr)
-            all_steps = sum(steps.values(), [])
-            runs.append({
-                "tree": tree_name, "nodes": tree.num_nodes, "start": start,
-                "mat_pooled": _mat(all_steps), "mat_mean_of_prompts": sum(per_prompt) / len(per_prompt),
-                "per_category": {c: _mat(steps[c]) for c in categories},
-                "steps": len(all_steps), "tokens": tokens_out, "seconds": round(elapsed, 1),
-            })
+    combos = [(t, s) for t in args.trees.split(",") for s in args.starts.split(",")]
+    if args.jobs > 1:
+        # One thread per process: batch-1 decoding of a small model scales better this way on
+        # few cores, and the runs are independent.
+        ctx = multiprocessing.get_context("spawn")
+        with ctx.Pool(args.jobs, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+            runs = pool.starmap(_run_one, [(args, questions, categories, c) for c in combos])
+    else:
+        runs = [_run_one(args, questions, categories, c) for c in combos]
 
     meta = {
         "benchmark": "reference decoder MAT (greedy, batch 1)",
@@ -88,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
         if not torch.cuda.is_available() else torch.cuda.get_device_name(),
         "model": args.model, "dtype": args.dtype, "topk": args.topk,
-        "prompts": len(prompts), "per_category": args.per_category,
+        "prompts": len(questions), "jobs": args.jobs, "per_category": args.per_category,
         "questions": args.questions or "shipped Spec-Bench sample",
         "max_new_tokens": args.max_new_tokens, "torch": torch.__version__,
     }
@@ -101,6 +79,36 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _run_one(args, questions: list[dict], categories: list[str], combo: tuple[str, str]) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tree_name, start = combo
+    path = prepare_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
+    tree = load_tree(tree_name, args.topk)
+    # hot: one shared matrix for all prompts; cold: a fresh matrix for each prompt
+    scope = {"hot": "shared", "cold": "per_request"}[start]
+    decoder = ReferenceDecoder(model, tree, AdjacencyMatrix(model.config.vocab_size, args.topk, scope))
+    steps: dict[str, list[int]] = defaultdict(list)
+    per_prompt, tokens_out, t0 = [], 0, time.time()
+    for i, q in enumerate(questions):
+        ids = chat_prompt_ids(tokenizer, q["turns"][0])
+        g = decoder.generate(ids, args.max_new_tokens, eos_token_id=tokenizer.eos_token_id)
+        steps[q["category"]] += g.tokens_per_step
+        per_prompt.append(g.mat)
+        tokens_out += len(g.tokens)
+        print(f"{tree_name:>7} {start}: {i + 1}/{len(questions)} prompts, "
+              f"MAT so far {_mat(sum(steps.values(), [])):.2f}", file=sys.stderr, flush=True)
+    all_steps = sum(steps.values(), [])
+    return {
+        "tree": tree_name, "nodes": tree.num_nodes, "start": start,
+        "mat_pooled": _mat(all_steps), "mat_mean_of_prompts": sum(per_prompt) / len(per_prompt),
+        "per_category": {c: _mat(steps[c]) for c in categories},
+        "steps": len(all_steps), "tokens": tokens_out, "seconds": round(time.time() - t0, 1),
+    }
+
+
 def _mat(steps: list[int]) -> float:
     return sum(steps) / max(len(steps), 1)
 
@@ -111,7 +119,8 @@ def _markdown(meta: dict, runs: list[dict], categories: list[str]) -> str:
         "",
         f"{meta['machine']}; greedy, batch 1, top-k {meta['topk']}; {meta['prompts']} prompts "
         f"({meta['questions']}, {meta['per_category']} per category, turns[0], chat template), "
-        f"{meta['max_new_tokens']} new tokens. MAT = tokens per verification step, bonus included "
+        f"{meta['max_new_tokens']} new tokens; {meta['jobs']} run(s) in parallel (the seconds "
+        "column is wall time of each run). MAT = tokens per verification step, bonus included "
         "(pooled over steps); hot = one matrix kept across prompts in file order, cold = fresh "
         "matrix per prompt.",
         "",

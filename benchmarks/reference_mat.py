@@ -17,6 +17,7 @@ import argparse
 import datetime
 import json
 import multiprocessing
+import os
 import platform
 import sys
 import time
@@ -37,7 +38,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--trees", default=",".join(sorted(shipped_trees())), help="comma-separated names")
+    p.add_argument("--trees", default=",".join(sorted(shipped_trees(), key=_largest_first)),
+                   help="comma-separated names")
     p.add_argument("--starts", default="hot,cold")
     p.add_argument("--questions", default=None, help="a Spec-Bench question.jsonl (default: the shipped sample)")
     p.add_argument("--per-category", type=int, default=4)
@@ -51,32 +53,49 @@ def main(argv: list[str] | None = None) -> int:
     questions = spec_bench_questions(args.questions, args.per_category)
     categories = list(dict.fromkeys(q["category"] for q in questions))
     combos = [(t, s) for t in args.trees.split(",") for s in args.starts.split(",")]
-    if args.jobs > 1:
-        # One thread per process: batch-1 decoding of a small model scales better this way on
-        # few cores, and the runs are independent.
-        ctx = multiprocessing.get_context("spawn")
-        with ctx.Pool(args.jobs, initializer=torch.set_num_threads, initargs=(1,)) as pool:
-            runs = pool.starmap(_run_one, [(args, questions, categories, c) for c in combos])
-    else:
-        runs = [_run_one(args, questions, categories, c) for c in combos]
+    out = Path(args.out)
+    runs: list[dict] = []
+    # Results are written after every finished run, so a long sweep keeps what it has done.
+    for run in _runs(args, questions, categories, combos):
+        runs.append(run)
+        runs.sort(key=lambda r: combos.index((r["tree"], r["start"])))
+        table = _write(args, out, runs, categories, len(questions))
+    print(table)
+    return 0
 
+
+def _runs(args, questions, categories, combos):
+    if args.jobs <= 1:
+        for c in combos:
+            yield _run_one(args, questions, categories, c)
+        return
+    # One thread per process: batch-1 decoding of a small model scales better this way on few
+    # cores, and the runs are independent.
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(args.jobs, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+        yield from pool.imap_unordered(_run_star, [(args, questions, categories, c) for c in combos])
+
+
+def _run_star(job):
+    return _run_one(*job)
+
+
+def _write(args, out: Path, runs: list[dict], categories: list[str], prompts: int) -> str:
     meta = {
         "benchmark": "reference decoder MAT (greedy, batch 1)",
         "date": datetime.date.today().isoformat(),
-        "machine": f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
+        "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores"
         if not torch.cuda.is_available() else torch.cuda.get_device_name(),
         "model": args.model, "dtype": args.dtype, "topk": args.topk,
-        "prompts": len(questions), "jobs": args.jobs, "per_category": args.per_category,
+        "prompts": prompts, "jobs": args.jobs, "per_category": args.per_category,
         "questions": args.questions or "shipped Spec-Bench sample",
         "max_new_tokens": args.max_new_tokens, "torch": torch.__version__,
     }
     table = _markdown(meta, runs, categories)
-    print(table)
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=2) + "\n")
     out.with_suffix(".md").write_text(table)
-    return 0
+    return table
 
 
 def _run_one(args, questions: list[dict], categories: list[str], combo: tuple[str, str]) -> dict:
@@ -107,6 +126,10 @@ def _run_one(args, questions: list[dict], categories: list[str], combo: tuple[st
         "per_category": {c: _mat(steps[c]) for c in categories},
         "steps": len(all_steps), "tokens": tokens_out, "seconds": round(time.time() - t0, 1),
     }
+
+
+def _largest_first(name: str) -> int:
+    return -load_tree(name, 64).num_nodes
 
 
 def _mat(steps: list[int]) -> float:

@@ -9,11 +9,23 @@ from vllm_recycling.tree import TreeTemplate
 
 
 def draft_tokens(
-    table: torch.Tensor, roots: torch.Tensor, tree: TreeTemplate, row_base: torch.Tensor | None = None
-) -> torch.Tensor:
+    table: torch.Tensor,
+    roots: torch.Tensor,
+    tree: TreeTemplate,
+    row_base: torch.Tensor | None = None,
+    *,
+    prefix_len: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    positions_out: torch.Tensor | None = None,
+):
     """tokens [B, N+1] int32: node 0 is the root, node i is ``table[row(parent), rank[i]]``.
 
     table [R, k] int32 (``AdjacencyMatrix.table``); roots [B] int (each request's last token);
-    row_base [B] int64 for the per-request scope, None for the shared one.
+    row_base [B] int64 for the per-request scope, None for the shared one. The template should
+    be on the table's device (``tree.to(device)``). With prefix_len [B] int, also the tree's
+    position ids ``prefix_len[b] + depth[node]`` [B, N+1] int64: returns ``(tokens, positions)``.
+    out / positions_out: optional persistent buffers to write into.
     """
-    return draft_tree(table, roots, tree.parent, tree.rank, tree.level_starts, row_base)
+    return draft_tree(
+        table, roots, tree, row_base, prefix_len=prefix_len, out=out, positions_out=positions_out
+    )

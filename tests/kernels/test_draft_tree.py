@@ -1,0 +1,146 @@
+"""The draft-tree kernel equals its PyTorch reference exactly (interpreter on CPU, or CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_recycling.draft import draft_tokens
+from vllm_recycling.kernels import draft_tree as dt
+from vllm_recycling.kernels import triton_usable
+from vllm_recycling.tree import compile_tree, load_tree
+
+ONE_NODE = [[0]]
+
+
+def _tree(spec, k, device):
+    tree = compile_tree(spec, topk=k) if isinstance(spec, list) else load_tree(spec, topk=k)
+    return tree.to(device)
+
+
+def _case(vocab, k, batch, slots, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randint(0, vocab, (slots * vocab, k), generator=g, dtype=torch.int32)
+    roots = torch.randint(0, vocab, (batch,), generator=g)
+    base = torch.randint(0, slots, (batch,), generator=g) * vocab if slots > 1 else None
+    prefix = torch.randint(0, 1000, (batch,), generator=g)
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return to(table), to(roots), to(base), to(prefix)
+
+
+def _reference(table, roots, tree, base, prefix):
+    tokens = dt.draft_tree_reference(table, roots, tree.parent, tree.rank, tree.level_starts, base)
+    return tokens, prefix[:, None] + tree.depth[None]
+
+
+@pytest.mark.parametrize("spec", ["2.2.2", ONE_NODE, "tree16"])
+@pytest.mark.parametrize("slots", [1, 3], ids=["shared", "per_request"])
+@pytest.mark.parametrize("batch", [0, 1, 5])
+def test_random_matches_reference(device, spec, slots, batch):
+    tree = _tree(spec, 8, device)
+    table, roots, base, prefix = _case(50, 8, batch, slots, device, seed=batch * 10 + slots)
+    tokens, positions = dt.draft_tree_triton(table, roots, tree.rank_path, tree.depth, base, prefix)
+    want_tokens, want_positions = _reference(table, roots, tree, base, prefix)
+    assert tokens.dtype == torch.int32 and tokens.shape == (batch, tree.num_nodes + 1)
+    assert positions.dtype == torch.int64
+    assert torch.equal(tokens, want_tokens) and torch.equal(positions, want_positions)
+    # tokens only (no prefix_len): a tensor, not a tuple
+    assert torch.equal(dt.draft_tree_triton(table, roots, tree.rank_path, tree.depth, base), want_tokens)
+
+
+def test_duplicates_last_token_and_small_vocab(device):
+    # V = 3: every tree is full of repeated tokens, within a tree and across the batch; token
+    # V-1 is a root and fills whole rows; the same root twice in the batch.
+    tree = _tree("2.2.2", 8, device)
+    table = torch.tensor([[2] * 8, [1, 2, 0, 1, 2, 0, 1, 2], [2, 2, 1, 1, 0, 0, 2, 2]], dtype=torch.int32)
+    table = table.to(device)
+    roots = torch.tensor([2, 0, 2, 1], device=device)
+    tokens = dt.draft_tree_triton(table, roots, tree.rank_path, tree.depth)
+    want = dt.draft_tree_reference(table, roots, tree.parent, tree.rank, tree.level_starts)
+    assert torch.equal(tokens, want)
+    assert torch.equal(tokens[0], tokens[2]) and tokens.eq(2).any() and tokens.eq(0).any()
+
+
+def test_per_request_scope_reads_each_slot(device):
+    tree = _tree([[0], [0, 0], [1]], 2, device)
+    vocab = 4
+    a = torch.tensor([[1, 3], [2, 0], [3, 1], [0, 2]], dtype=torch.int32)
+    b = torch.tensor([[3, 3], [0, 1], [1, 0], [2, 3]], dtype=torch.int32)
+    table = torch.cat([a, b]).to(device)
+    roots = torch.tensor([0, 0, 3], device=device)
+    base = torch.tensor([0, vocab, vocab], device=device)
+    tokens = dt.draft_tree_triton(table, roots, tree.rank_path, tree.depth, base)
+    # nodes in breadth-first order: root, [0], [1], [0, 0]
+    assert tokens.tolist() == [[0, 1, 3, 2], [0, 3, 3, 2], [3, 2, 3, 1]]
+
+
+def test_node_blocks_int32_roots_and_buffers(device):
+    # Several node blocks per request, int32 roots, and persistent (strided) output buffers.
+    tree = _tree("2.2.2", 8, device)
+    table, roots, base, prefix = _case(40, 8, 3, 2, device, seed=7)
+    out_full = torch.full((5, 100), -7, dtype=torch.int32, device=device)
+    pos_full = torch.full((5, 100), -7, dtype=torch.int64, device=device)
+    out, pos = out_full[1:4, : tree.num_nodes + 1], pos_full[1:4, : tree.num_nodes + 1]
+    got = dt.draft_tree_triton(
+        table, roots.int(), tree.rank_path, tree.depth, base, prefix.int(), out=out, positions_out=pos, block_n=32
+    )
+    assert got[0].data_ptr() == out.data_ptr() and got[1].data_ptr() == pos.data_ptr()
+    want_tokens, want_positions = _reference(table, roots, tree, base, prefix)
+    assert torch.equal(out, want_tokens) and torch.equal(pos, want_positions)
+    assert out_full[0].eq(-7).all() and out_full[:, tree.num_nodes + 1 :].eq(-7).all()
+    assert pos_full[4].eq(-7).all()
+
+
+def test_bad_buffers_raise(device):
+    tree = _tree(ONE_NODE, 1, device)
+    table = torch.zeros((4, 1), dtype=torch.int32, device=device)
+    roots = torch.zeros(2, dtype=torch.int64, device=device)
+    with pytest.raises(ValueError, match="out"):
+        dt.draft_tree_triton(table, roots, tree.rank_path, tree.depth, out=torch.empty((2, 3), dtype=torch.int32))
+    with pytest.raises(ValueError, match="table"):
+        dt.draft_tree_triton(table.long(), roots, tree.rank_path, tree.depth)
+
+
+def test_dispatcher_picks_triton_under_interpreter(interpreter, monkeypatch):
+    tree = _tree("2.2.2", 8, "cpu")
+    table, roots, base, prefix = _case(30, 8, 4, 2, "cpu", seed=3)
+    calls = []
+    launcher = dt.draft_tree_triton
+    monkeypatch.setattr(dt, "draft_tree_triton", lambda *a, **kw: calls.append(1) or launcher(*a, **kw))
+    assert triton_usable(table, roots)
+    tokens, positions = draft_tokens(table, roots, tree, base, prefix_len=prefix)
+    assert calls == [1]
+    want_tokens, want_positions = _reference(table, roots, tree, base, prefix)
+    assert torch.equal(tokens, want_tokens) and torch.equal(positions, want_positions)
+    # without TRITON_INTERPRET, CPU tensors take the reference
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert not triton_usable(table, roots)
+    out = torch.empty_like(want_tokens)
+    assert torch.equal(draft_tokens(table, roots, tree, base, out=out), want_tokens) and calls == [1]
+    assert torch.equal(out, want_tokens)
+
+
+@pytest.mark.gpu
+def test_cuda_large_batch_matches_reference():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    tree = _tree("2.2.2", 8, "cuda")
+    for slots in (1, 4):
+        table, roots, base, prefix = _case(151936, 8, 256, slots, "cuda", seed=slots)
+        tokens, positions = draft_tokens(table, roots, tree, base, prefix_len=prefix)
+        want_tokens, want_positions = _reference(table, roots, tree, base, prefix)
+        assert torch.equal(tokens, want_tokens) and torch.equal(positions, want_positions)
+
+
+@pytest.mark.gpu
+def test_dispatcher_picks_triton_on_cuda(monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    tree = _tree("2.2.2", 8, "cuda")
+    table, roots, base, prefix = _case(1000, 8, 4, 2, "cuda", seed=1)
+    calls = []
+    launcher = dt.draft_tree_triton
+    monkeypatch.setattr(dt, "draft_tree_triton", lambda *a, **kw: calls.append(1) or launcher(*a, **kw))
+    assert triton_usable(table, roots)
+    tokens = draft_tokens(table, roots, tree, base)
+    assert calls == [1] and torch.equal(tokens, _reference(table, roots, tree, base, prefix)[0])

@@ -1,0 +1,254 @@
+"""RecyclingConfig: what a user may write in speculative_config for method "recycling", and the
+exact message for everything else."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from vllm_recycling.config import RecyclingConfig, RecyclingConfigError
+from vllm_recycling.matrix import AdjacencyMatrix
+
+
+def parse(**keys) -> RecyclingConfig:
+    return RecyclingConfig.from_dict({"method": "recycling", **keys})
+
+
+def refused(message: str, **keys) -> None:
+    with pytest.raises(RecyclingConfigError, match=f"^{re.escape(message)}$"):
+        parse(**keys)
+
+
+def test_defaults():
+    config = parse()
+    assert config == RecyclingConfig(
+        tree=None, topk=8, matrix_scope="shared", matrix_snapshot=None, verify="chain",
+        num_speculative_tokens=6,
+    )
+    assert config.tree_template().name == "2.2.2" and config.tree_template().num_nodes == 80
+    chain = config.draft_template()
+    assert chain.paths == ((0,), (0, 0), (0, 0, 0), (0, 0, 0, 0), (0, 0, 0, 0, 0), (0, 0, 0, 0, 0, 0))
+    assert config.initial_matrix(vocab_size=100) is None
+
+
+def test_every_field_accepted():
+    config = parse(
+        tree=[[0], [1], [0, 0]], topk=2, matrix_scope="per_request", verify="chain",
+        num_speculative_tokens=3,
+    )
+    assert config.tree == ((0,), (1,), (0, 0))
+    assert config.tree_template().num_nodes == 3
+    assert config.draft_template().paths == ((0,), (0, 0), (0, 0, 0))
+    assert parse(tree="tree16").tree_template().num_nodes == 16
+    assert parse(topk=1).topk == 1 and parse(topk=64).topk == 64
+    assert parse(num_speculative_tokens=16).draft_template().num_nodes == 16
+
+
+@pytest.mark.parametrize("value", [0, 65, -1, True, "8", 8.0, None])
+def test_topk(value):
+    refused(f'speculative_config["topk"] = {value!r} is not valid: expected an integer from 1 to 64',
+            topk=value)
+
+
+def test_topk_larger_than_the_vocabulary():
+    with pytest.raises(RecyclingConfigError, match=re.escape(
+        'speculative_config["topk"] = 8 is not valid: at most the model\'s vocabulary size 4'
+    )):
+        parse().initial_matrix(vocab_size=4)
+
+
+@pytest.mark.parametrize("value", ["global", "", None, "Shared"])
+def test_matrix_scope(value):
+    refused(
+        f'speculative_config["matrix_scope"] = {value!r} is not valid: '
+        "expected one of 'shared', 'per_request'",
+        matrix_scope=value,
+    )
+
+
+@pytest.mark.parametrize("value", ["beam", "", None, "CHAIN"])
+def test_verify(value):
+    refused(
+        f'speculative_config["verify"] = {value!r} is not valid: expected one of \'chain\', '
+        "'tree' ('tree' is not available in this version)",
+        verify=value,
+    )
+
+
+def test_tree_verification_is_refused_with_a_clear_message():
+    refused(
+        'speculative_config["verify"] = \'tree\' is not available: tree verification is not '
+        "implemented in this version of vllm-recycling. Use verify='chain' (the default): the "
+        "matrix's top-1 chain, verified by vLLM's rejection sampler.",
+        verify="tree",
+    )
+
+
+@pytest.mark.parametrize("value", [0, 17, -3, True, "6", 6.5])
+def test_num_speculative_tokens(value):
+    refused(
+        f'speculative_config["num_speculative_tokens"] = {value!r} is not valid: '
+        "expected an integer from 1 to 16 (the chain length)",
+        num_speculative_tokens=value,
+    )
+
+
+@pytest.mark.parametrize(
+    "tree, topk, message",
+    [
+        ([[0], [0, 9]], 8, "tree 'inline' node 1 [0, 9]: rank 9 outside 0..7 (topk=8)"),
+        ([[0], [1, 0]], 8, "tree 'inline' node 1 [1, 0]: its parent [1] is not listed before it"),
+        ([[0], [0]], 8, "tree 'inline' node 1 [0]: duplicate of node 0"),
+        ([[0], []], 8, "tree 'inline' node 1 []: a path must be a non-empty list of integer ranks"),
+        ([], 8, "tree 'inline': expected a non-empty list of paths, got []"),
+        ("2.2.2", 4, "tree '2.2.2' node 4 [4]: rank 4 outside 0..3 (topk=4)"),
+    ],
+)
+def test_bad_tree_names_the_node(tree, topk, message):
+    refused(f'speculative_config["tree"]: {message}', tree=tree, topk=topk)
+
+
+def test_unknown_tree_name():
+    with pytest.raises(RecyclingConfigError, match=re.escape(
+        "speculative_config[\"tree\"]: tree 'nope' is neither a shipped template (2.2.2, chain6, "
+    )):
+        parse(tree="nope")
+
+
+def test_tree_type():
+    refused(
+        'speculative_config["tree"] = 5 is not valid: expected a shipped template name, a JSON '
+        "file path, or a list of paths",
+        tree=5,
+    )
+
+
+def test_tree_from_a_file(tmp_path):
+    good = tmp_path / "mine.json"
+    good.write_text(json.dumps({"name": "mine", "paths": [[0], [1], [0, 0]]}))
+    config = parse(tree=str(good))
+    assert config.tree == str(good) and config.tree_template().name == "mine"
+    bad = tmp_path / "bad.json"
+    bad.write_text("[[0], [0, 0")
+    with pytest.raises(RecyclingConfigError, match=re.escape(f'speculative_config["tree"]: tree file {bad}: ')):
+        parse(tree=str(bad))
+
+
+def test_unknown_key():
+    refused(
+        "speculative_config has unknown key(s) 'draft_model', 'top_k' for method 'recycling'; "
+        "allowed keys: method, tree, topk, matrix_scope, matrix_snapshot, verify, "
+        "num_speculative_tokens",
+        top_k=8, draft_model="x",
+    )
+
+
+def test_method_must_be_recycling():
+    with pytest.raises(RecyclingConfigError, match=re.escape(
+        'speculative_config["method"] = \'ngram\' is not valid: expected \'recycling\' for this parser'
+    )):
+        RecyclingConfig.from_dict({"method": "ngram"})
+
+
+# -- snapshots ---------------------------------------------------------------------------------
+
+def _snapshot(path, vocab_size=100, topk=8):
+    matrix = AdjacencyMatrix(vocab_size, topk=topk)
+    matrix.table[:, 0] = torch.arange(vocab_size, dtype=torch.int32).flip(0)
+    matrix.save(path)
+    return matrix.table.clone()
+
+
+def test_snapshot_loaded(tmp_path):
+    path = tmp_path / "adj.safetensors"
+    table = _snapshot(path)
+    loaded = parse(matrix_snapshot=str(path)).initial_matrix(vocab_size=100)
+    assert torch.equal(loaded, table)
+
+
+def test_snapshot_missing(tmp_path):
+    path = tmp_path / "absent.safetensors"
+    message = f'speculative_config["matrix_snapshot"]: matrix snapshot {path}: no such file'
+    with pytest.raises(RecyclingConfigError, match=f"^{re.escape(message)}$"):
+        parse(matrix_snapshot=str(path)).initial_matrix(vocab_size=100)
+
+
+def test_snapshot_corrupt(tmp_path):
+    path = tmp_path / "adj.safetensors"
+    _snapshot(path)
+    path.write_bytes(path.read_bytes()[:-7])  # truncated
+    with pytest.raises(RecyclingConfigError, match=re.escape(
+        f'speculative_config["matrix_snapshot"]: matrix snapshot {path}: unreadable (')):
+        parse(matrix_snapshot=str(path)).initial_matrix(vocab_size=100)
+    path.write_bytes(b"not a safetensors file at all")
+    with pytest.raises(RecyclingConfigError, match=re.escape(
+        f'speculative_config["matrix_snapshot"]: matrix snapshot {path}: unreadable (')):
+        parse(matrix_snapshot=str(path)).initial_matrix(vocab_size=100)
+
+
+def test_snapshot_for_another_vocabulary_or_topk(tmp_path):
+    path = tmp_path / "adj.safetensors"
+    _snapshot(path, vocab_size=100, topk=8)
+    refused_vocab = (
+        f'speculative_config["matrix_snapshot"]: matrix snapshot {path}: made for vocab_size=100, '
+        "topk=8; this model needs vocab_size=200, topk=8"
+    )
+    with pytest.raises(RecyclingConfigError, match=f"^{re.escape(refused_vocab)}$"):
+        parse(matrix_snapshot=str(path)).initial_matrix(vocab_size=200)
+    with pytest.raises(RecyclingConfigError, match=re.escape("this model needs vocab_size=100, topk=4")):
+        parse(matrix_snapshot=str(path), topk=4).initial_matrix(vocab_size=100)
+
+
+def test_snapshot_type():
+    refused('speculative_config["matrix_snapshot"] = 3 is not valid: expected a file path (a string)',
+            matrix_snapshot=3)
+
+
+def test_relative_paths_become_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _snapshot(tmp_path / "adj.safetensors")
+    (tmp_path / "t.json").write_text("[[0], [0, 0]]")
+    config = parse(matrix_snapshot="adj.safetensors", tree="t.json")
+    assert config.matrix_snapshot == str(tmp_path / "adj.safetensors")
+    assert config.tree == str(tmp_path / "t.json")
+
+
+# -- the forms a config arrives in --------------------------------------------------------------
+
+def test_parsed_from_the_json_a_server_gets():
+    text = (
+        '{"method": "recycling", "topk": 4, "matrix-scope": "per_request", '
+        '"num_speculative_tokens": 3, "tree": [[0], [1], [0, 0]]}'
+    )
+    config = RecyclingConfig.from_dict(text)
+    assert config == RecyclingConfig(
+        tree=((0,), (1,), (0, 0)), topk=4, matrix_scope="per_request", num_speculative_tokens=3
+    )
+    with pytest.raises(RecyclingConfigError, match="^speculative_config is not valid JSON: "):
+        RecyclingConfig.from_dict('{"method": "recycling",')
+    with pytest.raises(RecyclingConfigError, match="^speculative_config must be a JSON object / dict, got list$"):
+        RecyclingConfig.from_dict('["recycling"]')
+
+
+def test_round_trip_through_additional_config():
+    """The front end ships ``to_dict()`` to the workers in additional_config (JSON-hashed)."""
+    config = parse(tree=[[0], [1], [0, 0]], topk=4, matrix_scope="per_request", num_speculative_tokens=2)
+    shipped = json.loads(json.dumps(config.to_dict()))
+
+    class FakeVllmConfig:
+        additional_config = {"recycling": shipped, "other": 1}
+
+    assert RecyclingConfig.from_vllm_config(FakeVllmConfig) == config
+
+
+def test_proposer_without_the_plugin_translation():
+    class FakeVllmConfig:
+        additional_config = {}
+
+    with pytest.raises(RecyclingConfigError, match=re.escape(
+        "vllm_recycling.proposer.RecyclingProposer needs additional_config['recycling']"
+    )):
+        RecyclingConfig.from_vllm_config(FakeVllmConfig)

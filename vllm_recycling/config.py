@@ -1,0 +1,204 @@
+"""``RecyclingConfig``: the plugin's keys of ``speculative_config``, validated at start-up.
+
+A user writes ``speculative_config={"method": "recycling", ...}`` (the server:
+``--speculative-config '{"method": "recycling", ...}'``). Every key is checked here, in the
+front-end process, before vLLM builds its own ``SpeculativeConfig``; an error names the key,
+the value and what is allowed. ``patches.TranslateRecyclingSpecConfig`` then hands vLLM only
+what it knows (``method="custom_class"``, the proposer's class path and
+``num_speculative_tokens``) and carries this dataclass, as a JSON-able dict, in
+``VllmConfig.additional_config["recycling"]`` to the workers, where the proposer reads it back.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from vllm_recycling.matrix import SCOPES, SnapshotError, load_snapshot
+from vllm_recycling.tree import (
+    DEFAULT_TREE,
+    MAX_DEPTH,
+    TreeTemplate,
+    TreeTemplateError,
+    compile_tree,
+    load_tree,
+    shipped_trees,
+)
+
+METHOD = "recycling"
+ADDITIONAL_CONFIG_KEY = "recycling"
+VERIFY_MODES = ("chain", "tree")
+MAX_TOPK = 64
+DEFAULT_TOPK = 8
+DEFAULT_CHAIN_LENGTH = 6
+
+
+class RecyclingConfigError(ValueError):
+    """A speculative_config for method "recycling" that cannot be used."""
+
+
+def _field_error(key: str, value: Any, allowed: str) -> RecyclingConfigError:
+    return RecyclingConfigError(f'speculative_config["{key}"] = {value!r} is not valid: {allowed}')
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class RecyclingConfig:
+    """The plugin's settings; every field is checked on construction.
+
+    tree: a shipped template name, a JSON file path, or inline paths (stored as tuples); None
+        means the default template (``tree.DEFAULT_TREE``, "2.2.2") wherever a tree is used.
+        Checked against topk when given; verify="chain" does not use it.
+    topk: successors kept per matrix row (1..64).
+    matrix_scope: "shared" (one matrix, never reset) | "per_request".
+    matrix_snapshot: a saved matrix loaded at start-up; None starts from zeros.
+    verify: "chain": the matrix's top-1 chain, verified by vLLM's rejection sampler; "tree" is
+        refused (not available in this version).
+    num_speculative_tokens: the chain length (1..16).
+    """
+
+    tree: str | tuple[tuple[int, ...], ...] | None = None
+    topk: int = DEFAULT_TOPK
+    matrix_scope: str = "shared"
+    matrix_snapshot: str | None = None
+    verify: str = "chain"
+    num_speculative_tokens: int = DEFAULT_CHAIN_LENGTH
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.topk) or not 1 <= self.topk <= MAX_TOPK:
+            raise _field_error("topk", self.topk, f"expected an integer from 1 to {MAX_TOPK}")
+        if self.matrix_scope not in SCOPES:
+            raise _field_error("matrix_scope", self.matrix_scope, _one_of(SCOPES))
+        if self.matrix_snapshot is not None:
+            if not isinstance(self.matrix_snapshot, str):
+                raise _field_error(
+                    "matrix_snapshot", self.matrix_snapshot, "expected a file path (a string)"
+                )
+            object.__setattr__(self, "matrix_snapshot", _absolute(self.matrix_snapshot))
+        if self.verify == "tree":
+            raise RecyclingConfigError(
+                'speculative_config["verify"] = \'tree\' is not available: tree verification is '
+                "not implemented in this version of vllm-recycling. Use verify='chain' (the default): "
+                "the matrix's top-1 chain, verified by vLLM's rejection sampler."
+            )
+        if self.verify not in VERIFY_MODES:
+            raise _field_error(
+                "verify", self.verify,
+                _one_of(VERIFY_MODES) + " ('tree' is not available in this version)",
+            )
+        k = self.num_speculative_tokens
+        if not _is_int(k) or not 1 <= k <= MAX_DEPTH:
+            raise _field_error(
+                "num_speculative_tokens", self.num_speculative_tokens,
+                f"expected an integer from 1 to {MAX_DEPTH} (the chain length)",
+            )
+        tree = self.tree
+        if isinstance(tree, (list, tuple)):
+            # Inline paths: tuples keep the dataclass hashable; compile_tree checks the content.
+            tree = tuple(tuple(p) if isinstance(p, (list, tuple)) else p for p in tree)
+            object.__setattr__(self, "tree", tree)
+        elif isinstance(tree, str):
+            if tree not in shipped_trees():
+                object.__setattr__(self, "tree", _absolute(tree))
+        elif tree is not None:
+            raise _field_error(
+                "tree", tree,
+                "expected a shipped template name, a JSON file path, or a list of paths",
+            )
+        if tree is not None:
+            self.tree_template()  # compiles it: a bad template fails here, naming the node
+
+    # -- parsing ---------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, spec: Mapping[str, Any] | str) -> "RecyclingConfig":
+        """Parse ``speculative_config`` (a dict, or the JSON text a server gets) for method
+        "recycling". Keys may use ``-`` for ``_``, as vLLM accepts."""
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError as e:
+                raise RecyclingConfigError(f"speculative_config is not valid JSON: {e}") from e
+        if not isinstance(spec, Mapping):
+            raise RecyclingConfigError(
+                f"speculative_config must be a JSON object / dict, got {type(spec).__name__}"
+            )
+        spec = {str(k).replace("-", "_"): v for k, v in spec.items()}
+        method = spec.pop("method", None)
+        if method != METHOD:
+            raise _field_error("method", method, f"expected {METHOD!r} for this parser")
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(spec) - set(known))
+        if unknown:
+            raise RecyclingConfigError(
+                f"speculative_config has unknown key(s) {', '.join(map(repr, unknown))} for method "
+                f"'recycling'; allowed keys: method, {', '.join(known)}"
+            )
+        return cls(**spec)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able keys (no ``method``) that ``from_dict`` reads back to an equal config."""
+        data = asdict(self)
+        if isinstance(self.tree, tuple):
+            data["tree"] = [list(p) for p in self.tree]
+        return data
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config) -> "RecyclingConfig":
+        """The config the front end stored in ``vllm_config.additional_config["recycling"]``."""
+        extra = vllm_config.additional_config
+        if not isinstance(extra, Mapping) or ADDITIONAL_CONFIG_KEY not in extra:
+            raise RecyclingConfigError(
+                "vllm_recycling.proposer.RecyclingProposer needs additional_config['recycling']: "
+                "use speculative_config={'method': 'recycling', ...} with the vllm-recycling "
+                "plugin installed, not method='custom_class' directly"
+            )
+        return cls.from_dict({"method": METHOD, **extra[ADDITIONAL_CONFIG_KEY]})
+
+    # -- derived ---------------------------------------------------------------------------------
+    def tree_template(self) -> TreeTemplate:
+        """The compiled ``tree`` template (the default one when tree is None)."""
+        tree = DEFAULT_TREE if self.tree is None else self.tree
+        if isinstance(tree, tuple):  # back to the lists the user wrote, for the messages
+            tree = [list(p) if isinstance(p, tuple) else p for p in tree]
+        try:
+            return load_tree(tree, topk=self.topk)
+        except TreeTemplateError as e:
+            raise RecyclingConfigError(f'speculative_config["tree"]: {e}') from e
+
+    def draft_template(self) -> TreeTemplate:
+        """What each step drafts: for verify="chain" the top-1 chain
+        ``[[0], [0, 0], ...]`` of num_speculative_tokens nodes."""
+        k = self.num_speculative_tokens
+        return compile_tree([[0] * d for d in range(1, k + 1)], topk=self.topk, name=f"chain{k}")
+
+    def initial_matrix(self, vocab_size: int) -> torch.Tensor | None:
+        """The snapshot's [V, topk] int32 matrix, checked against this model's vocabulary;
+        None without a snapshot. A missing, corrupt or mismatched file is an error."""
+        if self.topk > vocab_size:
+            raise _field_error(
+                "topk", self.topk, f"at most the model's vocabulary size {vocab_size}"
+            )
+        if self.matrix_snapshot is None:
+            return None
+        try:
+            return load_snapshot(Path(self.matrix_snapshot), vocab_size, self.topk)
+        except SnapshotError as e:
+            raise RecyclingConfigError(f'speculative_config["matrix_snapshot"]: {e}') from e
+
+
+def _absolute(path: str) -> str:
+    """An existing file's absolute path (workers may start in another directory); anything
+    else unchanged, so that its error message shows what the user wrote."""
+    p = Path(path).expanduser()
+    return str(p.absolute()) if p.is_file() else path
+
+
+def _one_of(allowed: tuple[str, ...]) -> str:
+    return "expected one of " + ", ".join(repr(a) for a in allowed)

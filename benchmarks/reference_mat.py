@@ -7,6 +7,7 @@ tokens by all steps, "mean" averages the per-prompt MATs.
 
     python benchmarks/reference_mat.py                 # all shipped trees, 52 prompts, 128 tokens
     python benchmarks/reference_mat.py --trees 2.2.2 --per-category 2
+    python benchmarks/reference_mat.py --trees chain6 --merge   # add rows to the existing table
 
 Writes benchmarks/results/reference_mat.json and .md.
 """
@@ -48,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--jobs", type=int, default=1, help="runs in parallel, one thread each")
     p.add_argument("--out", default=str(RESULTS / "reference_mat"), help="path stem for .json and .md")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the other (tree, start) rows of an existing result with the same settings")
     args = p.parse_args(argv)
 
     questions = spec_bench_questions(args.questions, args.per_category)
@@ -55,10 +58,14 @@ def main(argv: list[str] | None = None) -> int:
     combos = [(t, s) for t in args.trees.split(",") for s in args.starts.split(",")]
     out = Path(args.out)
     runs: list[dict] = []
+    if args.merge and out.with_suffix(".json").exists():
+        runs = [r for r in json.loads(out.with_suffix(".json").read_text())["runs"]
+                if (r["tree"], r["start"]) not in combos]
+    order = [(r["tree"], r["start"]) for r in runs] + combos
     # Results are written after every finished run, so a long sweep keeps what it has done.
     for run in _runs(args, questions, categories, combos):
         runs.append(run)
-        runs.sort(key=lambda r: combos.index((r["tree"], r["start"])))
+        runs.sort(key=lambda r: order.index((r["tree"], r["start"])))
         table = _write(args, out, runs, categories, len(questions))
     print(table)
     return 0

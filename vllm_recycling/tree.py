@@ -63,10 +63,6 @@ class TreeTemplate:
     def max_depth(self) -> int:
         return len(self.level_starts) - 2
 
-    @property
-    def max_rank(self) -> int:
-        return max(p[-1] for p in self.paths)
-
     def to(self, device: torch.device | str) -> "TreeTemplate":
         tensors = {
             f: getattr(self, f).to(device)

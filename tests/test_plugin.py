@@ -372,3 +372,40 @@ def test_tree_stop_tokens_and_max_tokens_inside_an_accepted_path(tiny_model, tin
     with engine(tiny_model, speculative_config=RECYCLING) as llm:
         out = token_ids(llm.generate(prompts, params, use_tqdm=False))
     assert out == expected
+
+
+def test_snapshot_saved_at_shutdown_and_loaded_at_start(tiny_model, tmp_path):
+    import torch
+    from vllm import SamplingParams
+
+    from vllm_recycling.matrix import load_snapshot
+
+    path = tmp_path / "adj.safetensors"
+    spec = {**RECYCLING, "matrix_snapshot": str(path), "matrix_snapshot_interval": 0}
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    with engine(tiny_model, speculative_config=spec) as llm:
+        llm.generate(_tiny_prompts(4), params, use_tqdm=False)
+        (live,) = llm.collective_rpc(lambda w: w.model_runner.drafter.matrix.table.clone())
+        assert not path.exists()  # interval 0: only at shutdown
+    saved = load_snapshot(path, 1024, 8)
+    assert torch.equal(saved, live) and int((saved != 0).any(1).sum()) > 0
+    with engine(tiny_model, speculative_config=spec) as llm:
+        (start,) = llm.collective_rpc(lambda w: w.model_runner.drafter.matrix.table.clone())
+    assert torch.equal(start, saved)
+
+
+def test_snapshot_saved_every_interval(tmp_path, monkeypatch):
+    import numpy as np
+
+    from vllm_recycling import proposer as proposer_module
+
+    path = tmp_path / "adj.safetensors"
+    proposer = make_proposer("shared", snapshot=str(path))
+    clock = [1000.0]
+    monkeypatch.setattr(proposer_module.time, "monotonic", lambda: clock[0])
+    proposer._last_save = clock[0]
+    proposer.propose([[3]], np.array([5]), None)
+    assert not path.exists()
+    clock[0] += 300.0  # the default interval
+    proposer.propose([[3]], np.array([5]), None)
+    assert path.exists()

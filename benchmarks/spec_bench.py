@@ -49,6 +49,7 @@ def run_method(args) -> dict:
     from tqdm import tqdm
     from vllm import LLM, SamplingParams
 
+    from vllm_recycling.metrics import spec_decode_counters
     from vllm_recycling.models import prepare_model
     from vllm_recycling.prompts import chat_prompt_ids, spec_bench_questions
 
@@ -61,15 +62,15 @@ def run_method(args) -> dict:
               disable_log_stats=False, speculative_config=spec)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
-    before = _counters(llm)
+    before = spec_decode_counters(llm)
     per_category: dict[str, dict[str, float]] = {}
     total_tokens, total_seconds = 0, 0.0
     for q, p in zip(tqdm(questions, desc=args.worker, unit="prompt"), prompts):
-        c0 = _counters(llm)
+        c0 = spec_decode_counters(llm)
         start = time.perf_counter()
         out = llm.generate([p], params, use_tqdm=False)[0]
         seconds = time.perf_counter() - start
-        c1 = _counters(llm)
+        c1 = spec_decode_counters(llm)
         tokens = len(out.outputs[0].token_ids)
         cat = per_category.setdefault(q["category"], {"tokens": 0, "accepted": 0, "drafts": 0,
                                                        "seconds": 0.0})
@@ -79,7 +80,7 @@ def run_method(args) -> dict:
         cat["drafts"] += c1["drafts"] - c0["drafts"]
         total_tokens += tokens
         total_seconds += seconds
-    after = _counters(llm)
+    after = spec_decode_counters(llm)
     accepted = after["accepted"] - before["accepted"]
     drafts = after["drafts"] - before["drafts"]
     return {
@@ -100,17 +101,6 @@ def run_method(args) -> dict:
             for k, v in per_category.items()
         },
     }
-
-
-def _counters(llm) -> dict[str, int]:
-    names = {"vllm:spec_decode_num_drafts": "drafts",
-             "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-             "vllm:spec_decode_num_accepted_tokens": "accepted"}
-    counts = dict.fromkeys(names.values(), 0)
-    for metric in llm.get_metrics():
-        if metric.name in names:
-            counts[names[metric.name]] += metric.value
-    return counts
 
 
 def main() -> None:

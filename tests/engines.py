@@ -64,16 +64,9 @@ def engine(model: str, **kwargs):
 
 
 def spec_counters(llm) -> dict[str, int]:
-    names = {
-        "vllm:spec_decode_num_drafts": "drafts",
-        "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-        "vllm:spec_decode_num_accepted_tokens": "accepted",
-    }
-    counts = dict.fromkeys(names.values(), 0)
-    for metric in llm.get_metrics():
-        if metric.name in names:
-            counts[names[metric.name]] += metric.value
-    return counts
+    from vllm_recycling.metrics import spec_decode_counters
+
+    return spec_decode_counters(llm)
 
 
 def matrix_nonzero(llm) -> int:

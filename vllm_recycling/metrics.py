@@ -20,6 +20,22 @@ from vllm_recycling.config import ADDITIONAL_CONFIG_KEY
 
 _HISTOGRAM = None
 
+SPEC_DECODE_COUNTERS = {
+    "vllm:spec_decode_num_drafts": "drafts",
+    "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "accepted",
+}
+
+
+def spec_decode_counters(llm) -> dict[str, int]:
+    """vLLM's spec-decode counters of an offline ``LLM`` (``disable_log_stats=False``), summed
+    over engines: drafts, draft_tokens, accepted."""
+    counts = dict.fromkeys(SPEC_DECODE_COUNTERS.values(), 0)
+    for metric in llm.get_metrics():
+        if metric.name in SPEC_DECODE_COUNTERS:
+            counts[SPEC_DECODE_COUNTERS[metric.name]] += metric.value
+    return counts
+
 
 def _histogram(max_depth: int):
     """One histogram per process (Prometheus refuses a second registration of the name)."""

@@ -175,7 +175,7 @@ class TreePositions(MethodPatch):
     (``tree_verify.TreeStep``) and moves each node's position to prefix + depth, after the
     slots were computed (so every node keeps its own slot) and before anything reads the
     positions: the attention metadata (2397-2414) and the forward (3407, 4207), both later in
-    ``execute_model`` (4021-4023). The plan is the drafter's ``tree_step`` until ``_sample``
+    ``execute_model`` (4021-4023). The plan is ``ACTIVE_TREE_STEP.step`` until ``_sample``
     consumes it.
     """
 

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from vllm_recycling.config import RecyclingConfig, RecyclingConfigError
+from vllm_recycling.cpu_kv import move_slots
 from vllm_recycling.draft import draft_tokens
 from vllm_recycling.matrix import AdjacencyMatrix
 from vllm_recycling.tree_verify import ChainPlan, TreeLayout, TreeStep, choose_paths
@@ -61,7 +62,7 @@ class RecyclingProposer:
         self.layout = (
             TreeLayout.from_template(self.template, device) if self.config.verify == "tree" else None
         )
-        self.tree_step: TreeStep | None = None
+        self._kv_caches: list[torch.Tensor] | None = None  # every layer's cache, found once
         self._runner = None  # weak reference to the model runner, set by plan_step
         self._no_tree: dict[str, bool] = {}  # request id -> drafts must stay a chain / none
         self._last_save = time.monotonic()
@@ -215,7 +216,6 @@ class RecyclingProposer:
             offsets = torch.from_numpy(step.position_offsets())
             runner.positions[: step.num_tokens] += offsets.to(runner.positions.device)
             step.slot_mapping = runner.input_batch.block_table.block_tables[0].slot_mapping.gpu
-        self.tree_step = step
         ACTIVE_TREE_STEP.step = step
 
     @torch.inference_mode()
@@ -225,8 +225,7 @@ class RecyclingProposer:
 
         from vllm_recycling.patches import ACTIVE_TREE_STEP
 
-        step, self.tree_step = self.tree_step, None
-        ACTIVE_TREE_STEP.step = None
+        step, ACTIVE_TREE_STEP.step = ACTIVE_TREE_STEP.step, None
         if step is None:
             return None
         num_draft = np.asarray(spec_decode_metadata.num_draft_tokens, dtype=np.int64)
@@ -263,9 +262,9 @@ class RecyclingProposer:
             )
         output = runner.rejection_sampler(chain, None, logits[plan.rows], sampling)
         src, dst = plan.compaction(step, output.sampled_token_ids, step.slot_mapping)
-        for kv_cache in _kv_caches(runner):
-            from vllm_recycling.cpu_kv import move_slots
-
+        if self._kv_caches is None:
+            self._kv_caches = _kv_caches(runner)
+        for kv_cache in self._kv_caches:
             move_slots(kv_cache, src, dst)
         return output
 
@@ -281,17 +280,14 @@ def _is_first_rank() -> bool:
 
 def _kv_caches(runner) -> list[torch.Tensor]:
     """Every attention layer's own KV cache tensor (layers sharing a cache counted once)."""
-    caches = getattr(runner, "_recycling_kv_caches", None)
-    if caches is None:
-        caches, seen = [], set()
-        context = runner.compilation_config.static_forward_context
-        for group in runner.kv_cache_config.kv_cache_groups:
-            for name in group.layer_names:
-                kv = getattr(context.get(name), "kv_cache", None)
-                if isinstance(kv, torch.Tensor) and kv.numel() and kv.data_ptr() not in seen:
-                    seen.add(kv.data_ptr())
-                    caches.append(kv)
-        runner._recycling_kv_caches = caches
+    caches, seen = [], set()
+    context = runner.compilation_config.static_forward_context
+    for group in runner.kv_cache_config.kv_cache_groups:
+        for name in group.layer_names:
+            kv = getattr(context.get(name), "kv_cache", None)
+            if isinstance(kv, torch.Tensor) and kv.numel() and kv.data_ptr() not in seen:
+                seen.add(kv.data_ptr())
+                caches.append(kv)
     return caches
 
 

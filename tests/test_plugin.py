@@ -409,3 +409,23 @@ def test_snapshot_saved_every_interval(tmp_path, monkeypatch):
     clock[0] += 300.0  # the default interval
     proposer.propose([[3]], np.array([5]), None)
     assert path.exists()
+
+
+def test_tree_stop_strings_cut_where_they_do_without_speculation(tiny_model, tiny_baseline):
+    """A stop string is matched by the detokenizer on the emitted tokens, several of which
+    arrive in one tree step: the text must still end exactly where it ends without drafts."""
+    from vllm import SamplingParams
+
+    prompts, base = tiny_baseline
+    params = [
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                       stop=[b.outputs[0].text[len(b.outputs[0].text) // 2:][:3]])
+        for b in base
+    ]
+    assert all(p.stop[0] for p in params)
+    with engine(tiny_model) as llm:
+        expected = [(o.outputs[0].text, o.outputs[0].finish_reason) for o in llm.generate(prompts, params, use_tqdm=False)]
+    with engine(tiny_model, speculative_config=RECYCLING) as llm:
+        got = [(o.outputs[0].text, o.outputs[0].finish_reason) for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert sum(reason == "stop" for _, reason in expected) >= len(prompts) // 2
+    assert got == expected

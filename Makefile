@@ -1,13 +1,14 @@
 # Two entry points: `make serve` (set up, then vLLM's OpenAI server with Token Recycling on the
 # default model, SmolLM2-135M-Instruct, at 127.0.0.1:8000) and `make test` (set up, then the test
-# suite). `make demo` runs the reference decoder instead. All create .venv/ on first use.
+# suite). `make demo` runs the reference decoder instead; `make bench` the benchmarks of the README's
+# Performance section. All create .venv/ on first use.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
 PORT ?= 8000
 
-.PHONY: setup serve demo test
+.PHONY: setup serve demo test bench
 
 setup: $(VENV)/.installed
 
@@ -32,3 +33,12 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest tests
+
+$(VENV)/.bench: $(VENV)/.installed
+	$(BIN)/pip install -e ".[bench]"
+	touch $@
+
+# Spec-Bench acceptance (about 25 minutes on 2 CPU cores), then the server under load.
+bench: $(VENV)/.bench
+	$(BIN)/python benchmarks/spec_bench.py
+	$(BIN)/python benchmarks/serve_bench.py

@@ -1,18 +1,31 @@
 """Spec-Bench through vLLM: tokens per step and output tokens/s per speculative method, all on
 the same prompts, model and machine in one invocation.
 
-    python benchmarks/spec_bench.py                       # the default set of methods
-    python benchmarks/spec_bench.py --methods none,recycling --per-category 2 --max-tokens 128
+    python benchmarks/spec_bench.py                  # every method, the sample below (~25 min on 2 CPU cores)
+    python benchmarks/spec_bench.py --methods none,"recycling 2.2.2" --per-category 1
+    python benchmarks/spec_bench.py --held-out --tag ngram_sweep \\
+        --methods ngram:k=3:min=1:max=3,ngram:k=5:min=2:max=4   # tune on the other prompts
 
-Each method runs in its own process (one vLLM engine per process; an ``ngram`` engine also
-poisons later engines in its process), the methods one after another so they never share the
-CPU. Requests are sent one at a time (batch 1), greedy, in file order, so recycling's shared
-matrix starts cold at the first prompt and stays warm across them (the paper's hot start).
+Prompts: the shipped Spec-Bench sample (4 questions in each of 13 categories), ``turns[0]``
+with the model's chat template; ``--per-category`` of each category drawn with ``--seed``
+(``--held-out`` takes the questions that draw leaves out). Greedy, up to ``--max-tokens`` new
+tokens, sent one at a time (batch 1) in file order.
+
+Methods: no speculation; vLLM's ``ngram`` with vLLM's own defaults and with a setting tuned on
+the held-out prompts (any ``ngram:k=K:min=A:max=B`` can be named); ``suffix`` (needs
+``arctic-inference==0.1.1``) with vLLM's defaults; recycling with every shipped tree and in
+chain mode, each with a hot matrix (shared and kept across the prompts: the paper's hot start,
+cold only at the first prompt) and a cold one (``matrix_scope: per_request``: every request
+starts from an empty matrix). Each method runs in its own process (one vLLM engine per process;
+an ``ngram`` engine also poisons later engines in its process), one after another so they never
+share the CPU.
 
 Acceptance is counted two ways: tokens per step, ``tokens / (tokens - accepted)`` (every step
 emits one token plus its accepted drafts, the prefill step included), which is what speeds
 decoding up, and vLLM's own mean acceptance length ``1 + accepted / drafts``, which skips the
-steps where a method drafted nothing. Writes ``benchmarks/results/spec_bench_<tag>.{json,md}``.
+steps where a method drafted nothing. ``ms/step`` is decoding time over steps: what a step of
+that method costs on this machine. Writes ``benchmarks/results/spec_bench_<tag>.{json,md}`` and
+a heat map of tokens per step per category, ``spec_bench_<tag>.png``.
 """
 
 from __future__ import annotations
@@ -30,103 +43,160 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
+# vLLM 0.32's ngram defaults: prompt_lookup_min = prompt_lookup_max = 5
+# (vllm/config/speculative.py, SpeculativeConfig.__post_init__); num_speculative_tokens has no
+# default, 5 is the value of vLLM's documentation examples.
+NGRAM_DEFAULT = {"method": "ngram", "num_speculative_tokens": 5}
+# Tuned on the held-out half of the sample (see the module docstring and the README).
+NGRAM_TUNED = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+               "prompt_lookup_max": 3}
+
 METHODS = {
     "none": None,
-    "ngram": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4,
-              "prompt_lookup_min": 2},
-    "recycling chain6": {"method": "recycling", "verify": "chain"},
-    "recycling tree16": {"method": "recycling", "tree": "tree16"},
-    "recycling tree32": {"method": "recycling", "tree": "tree32"},
-    "recycling 2.2.2": {"method": "recycling"},
+    "ngram default": NGRAM_DEFAULT,
+    "ngram tuned": NGRAM_TUNED,
+    "suffix": {"method": "suffix"},
 }
-DEFAULT_METHODS = "none,ngram,recycling chain6,recycling tree16,recycling 2.2.2"
+for _tree in ("chain6", "tree16", "tree32", "2.2.2"):
+    _spec = {"method": "recycling", "verify": "chain"} if _tree == "chain6" else \
+        {"method": "recycling", "tree": _tree}
+    METHODS[f"recycling {_tree} hot"] = _spec
+    METHODS[f"recycling {_tree} cold"] = {**_spec, "matrix_scope": "per_request"}
+DEFAULT_METHODS = ",".join(METHODS)
+
+
+def speculative_config(method: str) -> dict | None:
+    """A named method's config, or ``ngram:k=K:min=A:max=B``."""
+    if method in METHODS:
+        return METHODS[method]
+    if method.startswith("ngram:"):
+        fields = dict(part.split("=", 1) for part in method.split(":")[1:])
+        unknown = set(fields) - {"k", "min", "max"}
+        if unknown:
+            raise ValueError(f"{method!r}: unknown field(s) {sorted(unknown)}; use k, min, max")
+        spec = {"method": "ngram", "num_speculative_tokens": int(fields.get("k", 5))}
+        for key, name in (("min", "prompt_lookup_min"), ("max", "prompt_lookup_max")):
+            if key in fields:
+                spec[name] = int(fields[key])
+        return spec
+    raise ValueError(f"unknown method {method!r}; choose from {list(METHODS)} or "
+                     "ngram:k=K:min=A:max=B")
+
+
+def benchmark_questions(args) -> list[dict]:
+    from vllm_recycling.prompts import seeded_sample, spec_bench_questions
+
+    return seeded_sample(spec_bench_questions(args.questions), args.per_category, args.seed,
+                         held_out=args.held_out)
 
 
 def run_method(args) -> dict:
     """One engine, every prompt one at a time; returns the method's figures."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    # The engine in this process (starts in ~2 s instead of ~17 s): one engine per process anyway.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from transformers import AutoTokenizer
     from tqdm import tqdm
     from vllm import LLM, SamplingParams
 
     from vllm_recycling.metrics import spec_decode_counters
     from vllm_recycling.models import prepare_model
-    from vllm_recycling.prompts import chat_prompt_ids, spec_bench_questions
+    from vllm_recycling.prompts import chat_prompt_ids
 
     model = str(prepare_model(args.model))
     tokenizer = AutoTokenizer.from_pretrained(model)
-    questions = spec_bench_questions(per_category=args.per_category)
+    questions = benchmark_questions(args)
     prompts = [{"prompt_token_ids": chat_prompt_ids(tokenizer, q["turns"][0])} for q in questions]
-    spec = METHODS[args.worker]
+    spec = speculative_config(args.worker)
     llm = LLM(model, dtype="float32", enforce_eager=True, max_model_len=2048, seed=0,
               disable_log_stats=False, speculative_config=spec)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
-    before = spec_decode_counters(llm)
+    # Warm-up on a prompt outside the sample, so a hot matrix starts cold at the first prompt
+    # measured only up to these few tokens.
+    llm.generate([{"prompt_token_ids": chat_prompt_ids(tokenizer, "Hello!")}],
+                 SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     per_category: dict[str, dict[str, float]] = {}
-    total_tokens, total_seconds = 0, 0.0
     for q, p in zip(tqdm(questions, desc=args.worker, unit="prompt"), prompts):
         c0 = spec_decode_counters(llm)
         start = time.perf_counter()
         out = llm.generate([p], params, use_tqdm=False)[0]
         seconds = time.perf_counter() - start
         c1 = spec_decode_counters(llm)
-        tokens = len(out.outputs[0].token_ids)
-        cat = per_category.setdefault(q["category"], {"tokens": 0, "accepted": 0, "drafts": 0,
-                                                       "seconds": 0.0})
-        cat["tokens"] += tokens
+        cat = per_category.setdefault(q["category"], dict.fromkeys(
+            ("prompts", "tokens", "accepted", "drafts", "draft_tokens", "seconds"), 0))
+        cat["prompts"] += 1
+        cat["tokens"] += len(out.outputs[0].token_ids)
         cat["seconds"] += seconds
-        cat["accepted"] += c1["accepted"] - c0["accepted"]
-        cat["drafts"] += c1["drafts"] - c0["drafts"]
-        total_tokens += tokens
-        total_seconds += seconds
-    after = spec_decode_counters(llm)
-    accepted = after["accepted"] - before["accepted"]
-    drafts = after["drafts"] - before["drafts"]
+        for key in ("accepted", "drafts", "draft_tokens"):
+            cat[key] += c1[key] - c0[key]
+    total = {key: sum(c[key] for c in per_category.values()) for key in
+             ("prompts", "tokens", "accepted", "drafts", "draft_tokens", "seconds")}
+    return {"method": args.worker, "speculative_config": spec, **_figures(total),
+            "per_category": {k: _figures(v) for k, v in per_category.items()}}
+
+
+def _figures(c: dict) -> dict:
+    steps = c["tokens"] - c["accepted"]
     return {
-        "method": args.worker,
-        "speculative_config": spec,
-        "prompts": len(prompts),
-        "tokens": total_tokens,
-        "seconds": round(total_seconds, 2),
-        "tokens_per_s": round(total_tokens / total_seconds, 2),
-        "accepted": accepted,
-        "drafts": drafts,
-        "draft_tokens": after["draft_tokens"] - before["draft_tokens"],
-        "tokens_per_step": round(total_tokens / (total_tokens - accepted), 3),
-        "vllm_mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
-        "per_category": {
-            k: {"tokens_per_step": round(v["tokens"] / (v["tokens"] - v["accepted"]), 3),
-                "tokens_per_s": round(v["tokens"] / v["seconds"], 2)}
-            for k, v in per_category.items()
-        },
+        "prompts": c["prompts"],
+        "tokens": c["tokens"],
+        "steps": steps,
+        "accepted": c["accepted"],
+        "drafts": c["drafts"],
+        "draft_tokens": c["draft_tokens"],
+        "seconds": round(c["seconds"], 2),
+        "tokens_per_s": round(c["tokens"] / c["seconds"], 2),
+        "ms_per_step": round(1000 * c["seconds"] / steps, 1),
+        "tokens_per_step": round(c["tokens"] / steps, 3),
+        "vllm_mean_acceptance_length":
+            round(1 + c["accepted"] / c["drafts"], 3) if c["drafts"] else None,
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--methods", default=DEFAULT_METHODS,
-                        help=f"comma-separated, from: {', '.join(METHODS)}")
+                        help=f"comma-separated, from: {', '.join(METHODS)}, or "
+                             "ngram:k=K:min=A:max=B")
     parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--per-category", type=int, default=1)
-    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--questions", help="a Spec-Bench question.jsonl (default: the shipped "
+                                            "52-question sample)")
+    parser.add_argument("--per-category", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--held-out", action="store_true",
+                        help="the questions the seeded draw leaves out (for tuning)")
+    parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--tag", default="cpu")
+    parser.add_argument("--plot-only", action="store_true",
+                        help="redraw the plot from the existing results file")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         Path(args.out).write_text(json.dumps(run_method(args)))
         return
-    methods = [m.strip() for m in args.methods.split(",")]
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        parser.error(f"unknown method(s) {unknown}; choose from {list(METHODS)}")
-    rows = []
+    if args.plot_only:
+        report = json.loads((RESULTS / f"spec_bench_{args.tag}.json").read_text())
+        plot(report, RESULTS / f"spec_bench_{args.tag}.png")
+        return
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for method in methods:
+        try:
+            speculative_config(method)
+        except ValueError as e:
+            parser.error(str(e))
+    questions = benchmark_questions(args)
+    print(f"{len(methods)} methods x {len(questions)} prompts, up to {args.max_tokens} tokens each",
+          flush=True)
+    rows = []
+    for i, method in enumerate(methods, 1):
+        print(f"[{i}/{len(methods)}] {method}", flush=True)
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             cmd = [sys.executable, __file__, "--worker", method, "--out", f.name,
                    "--model", args.model, "--per-category", str(args.per_category),
-                   "--max-tokens", str(args.max_tokens)]
+                   "--seed", str(args.seed), "--max-tokens", str(args.max_tokens)]
+            cmd += ["--questions", args.questions] if args.questions else []
+            cmd += ["--held-out"] if args.held_out else []
             subprocess.run(cmd, check=True)
             rows.append(json.loads(Path(f.name).read_text()))
         print(_table(rows[-1:]), flush=True)
@@ -138,32 +208,81 @@ def main() -> None:
         "vllm": vllm.__version__,
         "model": args.model,
         "dtype": "float32",
-        "prompts": f"Spec-Bench turns[0], {args.per_category} per category, chat template",
+        "prompts": (f"Spec-Bench turns[0] with the chat template: the shipped 52-question sample, "
+                    f"{'the questions left out by ' if args.held_out else ''}{args.per_category} "
+                    f"per category drawn with seed {args.seed} ({len(questions)} prompts)"),
+        "question_ids": [q["question_id"] for q in questions],
         "max_tokens": args.max_tokens,
         "batch": 1,
+        "command": "python benchmarks/spec_bench.py " + " ".join(
+            f"'{a}'" if " " in a or "," in a else a for a in sys.argv[1:]),
         "results": rows,
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"spec_bench_{args.tag}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (RESULTS / f"spec_bench_{args.tag}.md").write_text(markdown(report))
+    plot(report, RESULTS / f"spec_bench_{args.tag}.png")
+    print("\n" + markdown(report))
+
+
+def markdown(report: dict) -> str:
+    rows = report["results"]
     base = next((r for r in rows if r["method"] == "none"), None)
-    md = [f"# Spec-Bench through vLLM ({args.tag})", "",
-          f"{report['date']}; {report['machine']}; vLLM {report['vllm']}; {args.model} float32; "
-          f"{report['prompts']}; up to {args.max_tokens} new tokens; greedy; batch 1.", "",
-          _table(rows, base), ""]
-    (RESULTS / f"spec_bench_{args.tag}.md").write_text("\n".join(md))
-    print("\n" + _table(rows, base))
+    categories = list(rows[0]["per_category"])
+    lines = [f"# Spec-Bench through vLLM", "",
+             f"{report['date']}; {report['machine']}; vLLM {report['vllm']}; {report['model']} "
+             f"{report['dtype']}; {report['prompts']}; up to {report['max_tokens']} new tokens; "
+             f"greedy; batch 1. Command: `{report['command']}`.", "",
+             _table(rows, base), "",
+             "Tokens per step by category:", "",
+             "| method | " + " | ".join(categories) + " |",
+             "|---|" + "---|" * len(categories)]
+    for r in rows:
+        lines.append(f"| {r['method']} | " + " | ".join(
+            f"{r['per_category'][c]['tokens_per_step']:.2f}" for c in categories) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def _table(rows, base=None) -> str:
-    lines = ["| method | tokens per step | vLLM mean acceptance length | tokens/s | speed-up | tokens |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| method | tokens per step | vLLM mean acceptance length | tokens/s | speed-up | "
+             "ms/step | tokens |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         speedup = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else ""
         mal = r["vllm_mean_acceptance_length"]
         lines.append(f"| {r['method']} | {r['tokens_per_step']:.2f} | "
                      f"{'-' if mal is None else f'{mal:.2f}'} | {r['tokens_per_s']:.1f} | "
-                     f"{speedup} | {r['tokens']} |")
+                     f"{speedup} | {r['ms_per_step']:.0f} | {r['tokens']} |")
     return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> None:
+    """Heat map: tokens per step, methods (rows) by category (columns), overall last."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    rows = report["results"]
+    categories = list(rows[0]["per_category"])
+    values = np.array([[r["per_category"][c]["tokens_per_step"] for c in categories]
+                       + [r["tokens_per_step"]] for r in rows])
+    fig, ax = plt.subplots(figsize=(1.0 + 0.75 * (len(categories) + 1), 1.2 + 0.42 * len(rows)))
+    image = ax.imshow(values, cmap="viridis", aspect="auto", vmin=1.0)
+    ax.set_xticks(range(len(categories) + 1), categories + ["overall"], rotation=40, ha="right")
+    ax.set_yticks(range(len(rows)), [r["method"] for r in rows])
+    ax.axvline(len(categories) - 0.5, color="white", linewidth=2)
+    middle = values.min() + 0.6 * (values.max() - values.min())
+    for (i, j), v in np.ndenumerate(values):
+        ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8,
+                color="black" if v > middle else "white")
+    ax.set_title(f"Tokens per step on Spec-Bench, {report['model']}, vLLM {report['vllm']}, "
+                 f"greedy, batch 1", fontsize=10)
+    fig.colorbar(image, ax=ax, fraction=0.03, pad=0.02)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -34,3 +34,24 @@ def chat_prompt_ids(tokenizer, text: str) -> list[int]:
         [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
     )
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def seeded_sample(questions: list[dict], per_category: int, seed: int = 0,
+                  held_out: bool = False) -> list[dict]:
+    """``per_category`` questions drawn at random (``seed``) from each category, in file order;
+    with ``held_out`` the questions that draw leaves out instead (to tune settings on prompts
+    the measurement does not use)."""
+    import random
+
+    by_category: dict[str, list[int]] = defaultdict(list)
+    for i, q in enumerate(questions):
+        by_category[q["category"]].append(i)
+    rng = random.Random(seed)
+    chosen = set()
+    for category in sorted(by_category):
+        indices = by_category[category]
+        if per_category > len(indices):
+            raise ValueError(f"category {category!r} has {len(indices)} questions, "
+                             f"fewer than per_category={per_category}")
+        chosen.update(rng.sample(indices, per_category))
+    return [q for i, q in enumerate(questions) if (i in chosen) != held_out]

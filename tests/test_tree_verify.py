@@ -59,9 +59,10 @@ def test_tree_attention_matches_per_node_attention(layout):
     cache_k = torch.randn(2, 16, kv_heads, dim)  # per tree request: its positions' keys
     cache_v = torch.randn(2, 16, kv_heads, dim)
 
-    def read_prefix(positions):
+    def read_prefix(req, positions):
+        assert req.tolist() == [1, 0]  # sorted by prefix length (7, then 10), one group
         assert positions.tolist() == [list(range(10))] * 2
-        return cache_k[:, :10], cache_v[:, :10]
+        return cache_k[req, :10], cache_v[req, :10]
 
     before = torch.randn(total, heads * dim)
     output = before.clone()
@@ -82,6 +83,45 @@ def test_tree_attention_matches_per_node_attention(layout):
     # prefill rows and roots keep what the backend computed
     for row in (0, 1, 2, 3, 9):
         assert torch.equal(output[row], before[row])
+
+
+def test_tree_attention_groups_requests_by_prefix_length(layout, monkeypatch):
+    """More requests than a group holds, prefixes of many lengths: every node row equals
+    attention over its own prefix and ancestors, whatever group and padding it got."""
+    import vllm_recycling.tree_verify as tv
+
+    monkeypatch.setattr(tv, "GROUP_SIZE", 3)
+    torch.manual_seed(1)
+    heads, kv_heads, dim = 6, 2, 4
+    prefixes = [9, 1, 70, 4, 40, 2, 35]
+    drafts = [5, 3, 5, 1, 4, 5, 2]
+    qsl = np.concatenate([[0], np.cumsum(np.array(drafts) + 1)])
+    step = plan(layout, drafts, qsl, prefixes)
+    # below 32 tokens (2 groups: at most 3 each), 32..63, 64..127
+    assert [(g.tolist(), p) for g, p in step.groups] == [([1, 5], 2), ([3, 0], 9), ([6, 4], 40), ([2], 70)]
+    total = int(qsl[-1])
+    query, key, value = torch.randn(total, heads, dim), torch.randn(total, kv_heads, dim), torch.randn(total, kv_heads, dim)
+    cache_k, cache_v = torch.randn(7, 70, kv_heads, dim), torch.randn(7, 70, kv_heads, dim)
+    seen_positions = []
+
+    def read_prefix(req, positions):
+        seen_positions.append(positions.shape[1])
+        return cache_k[req, : positions.shape[1]], cache_v[req, : positions.shape[1]]
+
+    output = torch.zeros(total, heads * dim)
+    tree_attention(step, query, key, value, output, read_prefix, scale=0.5)
+    assert seen_positions == [2, 9, 40, 70]
+    anc = compile_tree(PATHS, topk=2).ancestors
+    for r, (root, n, prefix) in enumerate(zip(qsl[:-1], np.array(drafts) + 1, prefixes)):
+        for j in range(1, n):
+            seen = [root + i for i in range(n) if anc[j, i]]
+            k = torch.cat([cache_k[r, :prefix], key[seen]])
+            v = torch.cat([cache_v[r, :prefix], value[seen]])
+            for h in range(heads):
+                w = torch.softmax(k[:, h // 3] @ query[root + j, h] * 0.5, dim=0)
+                torch.testing.assert_close(output[root + j, h * dim:(h + 1) * dim], w @ v[:, h // 3],
+                                           rtol=1e-5, atol=1e-5)
+        assert not output[root].any()  # roots untouched
 
 
 def test_choose_paths(layout):

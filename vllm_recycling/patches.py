@@ -236,7 +236,7 @@ class TreeAttentionCPU(MethodPatch):
                 table = attn_metadata.block_table[step.req_index]
                 tree_attention(
                     step, query, key, value, output,
-                    lambda positions: read_positions(kv_cache, table, positions),
+                    lambda req, positions: read_positions(kv_cache, table[req], positions),
                     self.scale,
                 )
             return output

@@ -92,8 +92,11 @@ class TreeStep:
     rows [R, W] int64: input row of node j (clamped inside the request where j >= num_rows).
     valid [R, W] bool: j < num_rows.
     mask [R, W, W] bool: [r, i, j]: node j is node i or its ancestor, and both exist.
-    max_prefix: the largest prefix_len (host int, for padding).
+    max_prefix: the largest prefix_len (host int).
     num_tokens: rows in the step (host int).
+    groups: the requests cut into groups of similar prefix length (``_prefix_groups``):
+        (indices [g] into the R requests, the group's largest prefix_len as a host int), so
+        attention pads each group only to its own longest prefix.
     """
 
     layout: TreeLayout
@@ -110,6 +113,7 @@ class TreeStep:
     req_index_np: np.ndarray
     root_row_np: np.ndarray
     num_rows_np: np.ndarray
+    groups: list[tuple[torch.Tensor, int]]
     slot_mapping: torch.Tensor | None = None  # this step's slots [>= num_tokens], set by the runner
 
     @classmethod
@@ -147,6 +151,7 @@ class TreeStep:
         )
         valid = t(valid_np, torch.bool)
         mask = layout.ancestors[:width, :width][None] & valid[:, :, None] & valid[:, None, :]
+        groups = [(t(g), int(prefix[g].max())) for g in _prefix_groups(prefix)]
         return cls(
             layout=layout,
             req_index=t(req),
@@ -161,6 +166,7 @@ class TreeStep:
             req_index_np=req,
             root_row_np=root_row,
             num_rows_np=num_rows,
+            groups=groups,
         )
 
     def position_offsets(self) -> np.ndarray:
@@ -175,8 +181,26 @@ class TreeStep:
         return offsets
 
 
-# (R, max_prefix) -> keys, values [R, max_prefix, H_kv, D] of positions 0..max_prefix-1
-PrefixReader = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# (requests [g] indices into the step's R tree requests, positions [g, P]) -> keys, values
+# [g, P, H_kv, D] of those positions of those requests
+PrefixReader = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+# At most this many tree requests are attended together (one padded batch of matrix products).
+GROUP_SIZE = 16
+
+
+def _prefix_groups(prefix: np.ndarray) -> list[np.ndarray]:
+    """Indices of the requests in groups padded together: sorted by prefix length, a group
+    never mixes prefixes of different powers of two (so padding at most doubles a request's
+    prefix) and holds at most GROUP_SIZE. Measured on 2 CPU cores with SmolLM2's shapes, 64
+    requests of 17 rows, one 1500-token prefix among 300-token ones: 259 ms per layer padded
+    all together, 18 ms grouped."""
+    order = np.argsort(prefix, kind="stable")
+    octave = np.log2(np.maximum(prefix[order], 16)).astype(np.int64)
+    groups = []
+    for same in np.split(order, np.flatnonzero(np.diff(octave)) + 1):
+        groups.extend(np.array_split(same, -(-same.size // GROUP_SIZE)))
+    return groups
 
 
 def tree_attention(
@@ -190,41 +214,39 @@ def tree_attention(
 ) -> None:
     """Overwrite ``output`` on the node rows (not the roots, which causal attention already
     got right) with tree attention. query [T, H, D]; key, value [T, H_kv, D] (this step's, after
-    RoPE); output [T, H*D] or [T, H, D]; read_prefix(positions [R, P]) gives the cached keys
-    and values of those positions (P = max_prefix; positions past a request's prefix are
-    masked, whatever the reader returns there)."""
+    RoPE); output [T, H*D] or [T, H, D]; read_prefix gives the cached keys and values of a
+    group's positions (positions past a request's prefix are masked, whatever it returns
+    there). Query heads h*G .. h*G+G-1 share key/value head h (G = H / H_kv), computed as one
+    matrix product per key/value head without copying keys and values per query head."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = key.shape[1]
-    rows = step.rows
-    q = query[rows].transpose(1, 2).float()  # [R, H, W, D]
-    k_tree = key[rows].float()  # [R, W, Hkv, D]
-    v_tree = value[rows].float()
-    width = rows.shape[1]
-    if step.max_prefix > 0:
-        positions = torch.arange(step.max_prefix, device=rows.device)
-        k_pre, v_pre = read_prefix(positions.expand(rows.shape[0], -1))
-        k_all = torch.cat([k_pre.float(), k_tree], dim=1)
-        v_all = torch.cat([v_pre.float(), v_tree], dim=1)
-        in_prefix = positions[None, :] < step.prefix_len[:, None]  # [R, P]
-        allowed = torch.cat(
-            [in_prefix[:, None, :].expand(-1, width, -1), step.mask], dim=2
-        )  # [R, W, P + W]
-    else:
-        k_all, v_all, allowed = k_tree, v_tree, step.mask
-    k_all = k_all.transpose(1, 2)  # [R, Hkv, P+W, D]
-    v_all = v_all.transpose(1, 2)
-    if num_kv_heads != num_heads:
-        group = num_heads // num_kv_heads
-        k_all = k_all.repeat_interleave(group, dim=1)
-        v_all = v_all.repeat_interleave(group, dim=1)
-    scores = torch.matmul(q, k_all.transpose(-1, -2)) * scale  # [R, H, W, P+W]
-    scores.masked_fill_(~allowed[:, None], float("-inf"))
-    attn = torch.matmul(torch.softmax(scores, dim=-1), v_all)  # [R, H, W, D]
-    attn = attn.transpose(1, 2).to(output.dtype)  # [R, W, H, D]
-    nodes = step.valid.clone()
-    nodes[:, 0] = False  # roots keep vLLM's result
+    group = num_heads // num_kv_heads
     out = output.view(output.shape[0], num_heads, head_dim)
-    out[rows[nodes]] = attn[nodes]
+    width = step.rows.shape[1]
+    for req, max_prefix in step.groups:
+        g = req.shape[0]
+        rows = step.rows[req]  # [g, W]
+        # [g, W, H, D] -> [g, H_kv, G*W, D]: the G query heads of a key/value head stacked
+        q = query[rows].float().view(g, width, num_kv_heads, group, head_dim)
+        q = q.permute(0, 2, 3, 1, 4).reshape(g, num_kv_heads, group * width, head_dim)
+        k_all, v_all, allowed = key[rows].float(), value[rows].float(), step.mask[req]
+        if max_prefix > 0:
+            positions = torch.arange(max_prefix, device=rows.device)
+            k_pre, v_pre = read_prefix(req, positions.expand(g, -1))
+            k_all = torch.cat([k_pre.float(), k_all], dim=1)  # [g, P+W, H_kv, D]
+            v_all = torch.cat([v_pre.float(), v_all], dim=1)
+            in_prefix = positions[None, :] < step.prefix_len[req, None]  # [g, P]
+            allowed = torch.cat([in_prefix[:, None, :].expand(-1, width, -1), allowed], dim=2)
+        scores = torch.matmul(q, k_all.permute(0, 2, 3, 1)) * scale  # [g, H_kv, G*W, P+W]
+        scores = scores.view(g, num_kv_heads, group, width, -1)
+        scores.masked_fill_(~allowed[:, None, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).view(g, num_kv_heads, group * width, -1)
+        attn = torch.matmul(probs, v_all.transpose(1, 2))  # [g, H_kv, G*W, D]
+        attn = attn.view(g, num_kv_heads, group, width, head_dim).permute(0, 3, 1, 2, 4)
+        attn = attn.reshape(g, width, num_heads, head_dim).to(output.dtype)
+        nodes = step.valid[req].clone()
+        nodes[:, 0] = False  # roots keep vLLM's result
+        out[rows[nodes]] = attn[nodes]
 
 
 def choose_paths(

@@ -4,13 +4,16 @@ streaming clients.
     python benchmarks/serve_bench.py                              # every method, 1/4/16/64
     python benchmarks/serve_bench.py --methods none,"recycling tree16 hot" --concurrency 1,8
 
-For each method one server (``vllm-recycling serve``, which is ``vllm serve`` with the same
-arguments) is started on 127.0.0.1, warmed up with two requests, then loaded at each
-concurrency in turn: ``concurrency`` clients (``openai.AsyncOpenAI``, streaming chat
-completions, greedy, ``--max-tokens`` new tokens, EOS honoured) share a fixed list of
-``max(--min-requests, 2 x concurrency)`` requests (capped by ``--max-requests``) made from the
-shipped Spec-Bench sample (``turns[0]``, shuffled with ``--seed``). The methods are those of
-``spec_bench.py``; a hot matrix is shared by all requests and kept across the concurrency levels.
+For each method and concurrency a fresh server (``vllm-recycling serve``, which is ``vllm
+serve`` with the same arguments) is started on 127.0.0.1 and warmed up with two short requests,
+so no method carries state from one level to the next (suffix's response cache and a hot matrix
+would otherwise replay the answers to the same prompts; no speculation and ngram keep no state
+and use one server for all levels); then ``concurrency`` clients
+(``openai.AsyncOpenAI``, streaming chat completions, greedy, ``--max-tokens`` new tokens, EOS
+honoured) share a fixed list of ``max(--min-requests, 2 x concurrency)`` requests (capped by
+``--max-requests``) made from the shipped Spec-Bench sample (``turns[0]``, shuffled with
+``--seed``; 52 questions, so 64 requests repeat 12 of them). The methods are those of
+``spec_bench.py``; a hot matrix is shared by the requests of a level.
 
 Per method and concurrency: output tokens/s (completion tokens over the wall time of the
 level), time to first token and inter-token latency (the gaps between streamed chunks, as
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import os
@@ -168,45 +172,58 @@ def run_method(method: str, args, questions: list[dict], log_dir: Path) -> dict:
     from tqdm import tqdm
 
     spec = speculative_config(method)
+    # No speculation and ngram keep no state between requests: one server serves every level.
+    stateless = spec is None or spec["method"] == "ngram"
+    shared = Server(args.model, spec, log_dir / f"{method.replace(' ', '_')}.log") \
+        if stateless else None
     rows = []
-    with Server(args.model, spec, log_dir / f"{method.replace(' ', '_')}.log") as server:
-        warm = [[{"role": "user", "content": "Hello!"}]] * 2
-        asyncio.run(load(server.url, args.model, warm, 2, 8, tqdm(disable=True)))
+    with shared or contextlib.nullcontext():
         for c in args.concurrency:
-            n = min(args.max_requests, max(args.min_requests, 2 * c))
-            requests = [[{"role": "user", "content": questions[i % len(questions)]["turns"][0]}]
-                        for i in range(n)]
-            before = server.counters()
-            with tqdm(total=n, desc=f"{method} c={c}", unit="req") as progress:
-                results, seconds = asyncio.run(
-                    load(server.url, args.model, requests, c, args.max_tokens, progress))
-            after = server.counters()
-            tokens = sum(r["tokens"] for r in results)
-            gaps = [g for r in results for g in r["gaps"]]
-            ttfts = [r["ttft"] for r in results if r["ttft"] is not None]
-            accepted = after["accepted"] - before["accepted"]
-            generated = after["tokens"] - before["tokens"]
-            rows.append({
-                "concurrency": c,
-                "requests": n,
-                "tokens": tokens,
-                "seconds": round(seconds, 2),
-                "tokens_per_s": round(tokens / seconds, 2),
-                "ttft_p50_ms": round(1000 * percentile(ttfts, 50), 1),
-                "ttft_p99_ms": round(1000 * percentile(ttfts, 99), 1),
-                "itl_p50_ms": round(1000 * percentile(gaps, 50), 1) if gaps else None,
-                "itl_p99_ms": round(1000 * percentile(gaps, 99), 1) if gaps else None,
-                "tokens_per_step": round(generated / (generated - accepted), 3)
-                if generated > accepted else None,
-            })
+            # Otherwise a fresh server per level: suffix's response cache and a hot matrix would
+            # replay the answers to the same prompts from the level before.
+            log_path = log_dir / f"{method.replace(' ', '_')}_c{c}.log"
+            level = contextlib.nullcontext(shared) if shared else Server(args.model, spec, log_path)
+            with level as server:
+                warm = [[{"role": "user", "content": "Hello!"}]] * 2
+                asyncio.run(load(server.url, args.model, warm, 2, 8, tqdm(disable=True)))
+                n = min(args.max_requests, max(args.min_requests, 2 * c))
+                requests = [[{"role": "user", "content": questions[i % len(questions)]["turns"][0]}]
+                            for i in range(n)]
+                before = server.counters()
+                with tqdm(total=n, desc=f"{method} c={c}", unit="req") as progress:
+                    results, seconds = asyncio.run(
+                        load(server.url, args.model, requests, c, args.max_tokens, progress))
+                after = server.counters()
+            rows.append(_level_row(c, n, results, seconds, before, after))
     return {"method": method, "speculative_config": spec, "levels": rows}
+
+
+def _level_row(c, n, results, seconds, before, after) -> dict:
+    tokens = sum(r["tokens"] for r in results)
+    gaps = [g for r in results for g in r["gaps"]]
+    ttfts = [r["ttft"] for r in results if r["ttft"] is not None]
+    accepted = after["accepted"] - before["accepted"]
+    generated = after["tokens"] - before["tokens"]
+    return {
+        "concurrency": c,
+        "requests": n,
+        "tokens": tokens,
+        "seconds": round(seconds, 2),
+        "tokens_per_s": round(tokens / seconds, 2),
+        "ttft_p50_ms": round(1000 * percentile(ttfts, 50), 1),
+        "ttft_p99_ms": round(1000 * percentile(ttfts, 99), 1),
+        "itl_p50_ms": round(1000 * percentile(gaps, 50), 1) if gaps else None,
+        "itl_p99_ms": round(1000 * percentile(gaps, 99), 1) if gaps else None,
+        "tokens_per_step": round(generated / (generated - accepted), 3)
+        if generated > accepted else None,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--methods", default=DEFAULT_METHODS,
-                        help=f"comma-separated, from: {', '.join(METHODS)}, or "
-                             "ngram:k=K:min=A:max=B")
+                        help=f"comma-separated, from: {', '.join(METHODS)}, "
+                             "ngram:k=K:min=A:max=B or recycling:KEY=VALUE:...")
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--concurrency", default="1,4,16,64")
     parser.add_argument("--max-tokens", type=int, default=48)
@@ -252,8 +269,8 @@ def main() -> None:
                    f"{args.seed}), chat completions, streaming",
         "max_tokens": args.max_tokens,
         "requests": f"max({args.min_requests}, 2 x concurrency), at most {args.max_requests}",
-        "command": "python benchmarks/serve_bench.py " + " ".join(
-            f"'{a}'" if " " in a or "," in a else a for a in sys.argv[1:]),
+        "command": " ".join(["python benchmarks/serve_bench.py"] + [
+            f"'{a}'" if " " in a or "," in a else a for a in sys.argv[1:]]),
         "results": rows,
     }
     RESULTS.mkdir(exist_ok=True)

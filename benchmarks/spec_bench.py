@@ -12,7 +12,8 @@ with the model's chat template; ``--per-category`` of each category drawn with `
 tokens, sent one at a time (batch 1) in file order.
 
 Methods: no speculation; vLLM's ``ngram`` with vLLM's own defaults and with a setting tuned on
-the held-out prompts (any ``ngram:k=K:min=A:max=B`` can be named); ``suffix`` (needs
+the held-out prompts (any ``ngram:k=K:min=A:max=B`` can be named, and any recycling config as
+``recycling:KEY=VALUE:...``); ``suffix`` (needs
 ``arctic-inference==0.1.1``) with vLLM's defaults; recycling with every shipped tree and in
 chain mode, each with a hot matrix (shared and kept across the prompts: the paper's hot start,
 cold only at the first prompt) and a cold one (``matrix_scope: per_request``: every request
@@ -66,11 +67,15 @@ DEFAULT_METHODS = ",".join(METHODS)
 
 
 def speculative_config(method: str) -> dict | None:
-    """A named method's config, or ``ngram:k=K:min=A:max=B``."""
+    """A named method's config, ``ngram:k=K:min=A:max=B``, or ``recycling:KEY=VALUE:...`` with
+    the plugin's config keys (``recycling:tree=2.2.2:num_speculative_tokens=8``)."""
     if method in METHODS:
         return METHODS[method]
+    fields = dict(part.split("=", 1) for part in method.split(":")[1:] if "=" in part)
+    if method.startswith("recycling:"):
+        return {"method": "recycling",
+                **{k: int(v) if v.isdigit() and k != "tree" else v for k, v in fields.items()}}
     if method.startswith("ngram:"):
-        fields = dict(part.split("=", 1) for part in method.split(":")[1:])
         unknown = set(fields) - {"k", "min", "max"}
         if unknown:
             raise ValueError(f"{method!r}: unknown field(s) {sorted(unknown)}; use k, min, max")
@@ -79,8 +84,8 @@ def speculative_config(method: str) -> dict | None:
             if key in fields:
                 spec[name] = int(fields[key])
         return spec
-    raise ValueError(f"unknown method {method!r}; choose from {list(METHODS)} or "
-                     "ngram:k=K:min=A:max=B")
+    raise ValueError(f"unknown method {method!r}; choose from {list(METHODS)}, "
+                     "ngram:k=K:min=A:max=B or recycling:KEY=VALUE:...")
 
 
 def benchmark_questions(args) -> list[dict]:
@@ -156,8 +161,8 @@ def _figures(c: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--methods", default=DEFAULT_METHODS,
-                        help=f"comma-separated, from: {', '.join(METHODS)}, or "
-                             "ngram:k=K:min=A:max=B")
+                        help=f"comma-separated, from: {', '.join(METHODS)}, "
+                             "ngram:k=K:min=A:max=B or recycling:KEY=VALUE:...")
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--questions", help="a Spec-Bench question.jsonl (default: the shipped "
                                             "52-question sample)")
@@ -214,8 +219,8 @@ def main() -> None:
         "question_ids": [q["question_id"] for q in questions],
         "max_tokens": args.max_tokens,
         "batch": 1,
-        "command": "python benchmarks/spec_bench.py " + " ".join(
-            f"'{a}'" if " " in a or "," in a else a for a in sys.argv[1:]),
+        "command": " ".join(["python benchmarks/spec_bench.py"] + [
+            f"'{a}'" if " " in a or "," in a else a for a in sys.argv[1:]]),
         "results": rows,
     }
     RESULTS.mkdir(exist_ok=True)

@@ -40,6 +40,8 @@ def test_method_names():
     assert spec_bench.speculative_config("ngram:k=4:min=1:max=3") == {
         "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
         "prompt_lookup_max": 3}
+    assert spec_bench.speculative_config("recycling:tree=2.2.2:num_speculative_tokens=8") == {
+        "method": "recycling", "tree": "2.2.2", "num_speculative_tokens": 8}
     with pytest.raises(ValueError, match=r"unknown field\(s\) \['n'\]"):
         spec_bench.speculative_config("ngram:n=3")
     with pytest.raises(ValueError, match="unknown method 'eagle'"):

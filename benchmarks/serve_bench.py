@@ -252,11 +252,23 @@ def main() -> None:
     questions = spec_bench_questions()
     random.Random(args.seed).shuffle(questions)
     rows = []
-    with tempfile.TemporaryDirectory() as log_dir:
-        for i, method in enumerate(methods, 1):
-            print(f"[{i}/{len(methods)}] {method}", flush=True)
-            rows.append(run_method(method, args, questions, Path(log_dir)))
-            print(_table(rows[-1:]), flush=True)
+    log_dir = Path(tempfile.mkdtemp(prefix="serve_bench_"))
+    for i, method in enumerate(methods, 1):
+        print(f"[{i}/{len(methods)}] {method}", flush=True)
+        try:
+            rows.append(run_method(method, args, questions, log_dir))
+        except Exception as e:  # keep the other methods' results; the server logs stay
+            rows.append({"method": method, "speculative_config": speculative_config(method),
+                         "error": f"{type(e).__name__}: {e}; server logs in {log_dir}",
+                         "levels": []})
+            print(f"{method} failed: {rows[-1]['error']}", flush=True)
+        print(_table(rows[-1:]), flush=True)
+        _write(args, rows, questions)
+    print("\n" + markdown(json.loads((RESULTS / f"serve_bench_{args.tag}.json").read_text())))
+
+
+def _write(args, rows, questions) -> None:
+    """The results so far (after every method, so a crash keeps what ran)."""
     import vllm
 
     report = {
@@ -277,7 +289,6 @@ def main() -> None:
     (RESULTS / f"serve_bench_{args.tag}.json").write_text(json.dumps(report, indent=2) + "\n")
     (RESULTS / f"serve_bench_{args.tag}.md").write_text(markdown(report))
     plot(report, RESULTS / f"serve_bench_{args.tag}.png")
-    print("\n" + markdown(report))
 
 
 def markdown(report: dict) -> str:
@@ -289,6 +300,7 @@ def markdown(report: dict) -> str:
         f"{report['max_tokens']} new tokens; {report['requests']} requests per level. "
         f"Command: `{report['command']}`.", "",
         _table(rows), "",
+        *[f"**{r['method']} failed:** {r['error']}\n" for r in rows if r.get("error")],
         "Output tokens/s relative to no speculation at the same concurrency:", "",
         _ratios(rows), ""])
 

@@ -28,10 +28,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime
 import json
 import os
-import platform
 import random
 import signal
 import socket
@@ -43,9 +41,8 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from spec_bench import METHODS, speculative_config  # noqa: E402
+from spec_bench import RESULTS, METHODS, run_header, speculative_config, write_results  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 SERVER_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
                "--max-num-seqs", "64"]
 START_TIMEOUT_S = 300
@@ -263,32 +260,22 @@ def main() -> None:
                          "levels": []})
             print(f"{method} failed: {rows[-1]['error']}", flush=True)
         print(_table(rows[-1:]), flush=True)
-        _write(args, rows, questions)
+        _write(args, rows)
     print("\n" + markdown(json.loads((RESULTS / f"serve_bench_{args.tag}.json").read_text())))
 
 
-def _write(args, rows, questions) -> None:
+def _write(args, rows) -> None:
     """The results so far (after every method, so a crash keeps what ran)."""
-    import vllm
-
     report = {
-        "date": datetime.date.today().isoformat(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
-        "vllm": vllm.__version__,
-        "model": args.model,
+        **run_header("serve_bench.py", args.model),
         "server_args": SERVER_ARGS,
         "prompts": f"Spec-Bench turns[0] (shipped 52-question sample, shuffled with seed "
                    f"{args.seed}), chat completions, streaming",
         "max_tokens": args.max_tokens,
         "requests": f"max({args.min_requests}, 2 x concurrency), at most {args.max_requests}",
-        "command": " ".join(["python benchmarks/serve_bench.py"] + [
-            f"'{a}'" if " " in a or "," in a else a for a in sys.argv[1:]]),
         "results": rows,
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"serve_bench_{args.tag}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (RESULTS / f"serve_bench_{args.tag}.md").write_text(markdown(report))
-    plot(report, RESULTS / f"serve_bench_{args.tag}.png")
+    write_results(f"serve_bench_{args.tag}", report, markdown, plot)
 
 
 def markdown(report: dict) -> str:

@@ -205,13 +205,8 @@ def main() -> None:
             subprocess.run(cmd, check=True)
             rows.append(json.loads(Path(f.name).read_text()))
         print(_table(rows[-1:]), flush=True)
-    import vllm
-
     report = {
-        "date": datetime.date.today().isoformat(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
-        "vllm": vllm.__version__,
-        "model": args.model,
+        **run_header("spec_bench.py", args.model),
         "dtype": "float32",
         "prompts": (f"Spec-Bench turns[0] with the chat template: the shipped 52-question sample, "
                     f"{'the questions left out by ' if args.held_out else ''}{args.per_category} "
@@ -219,15 +214,31 @@ def main() -> None:
         "question_ids": [q["question_id"] for q in questions],
         "max_tokens": args.max_tokens,
         "batch": 1,
-        "command": " ".join(["python benchmarks/spec_bench.py"] + [
-            f"'{a}'" if " " in a or "," in a else a for a in sys.argv[1:]]),
         "results": rows,
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"spec_bench_{args.tag}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (RESULTS / f"spec_bench_{args.tag}.md").write_text(markdown(report))
-    plot(report, RESULTS / f"spec_bench_{args.tag}.png")
+    write_results(f"spec_bench_{args.tag}", report, markdown, plot)
     print("\n" + markdown(report))
+
+def run_header(script: str, model: str) -> dict:
+    """What every results file starts with: date, machine, vLLM version, model, the command."""
+    import vllm
+
+    return {
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
+        "vllm": vllm.__version__,
+        "model": model,
+        "command": " ".join([f"python benchmarks/{script}"] + [
+            f"'{a}'" if " " in a or "," in a else a for a in sys.argv[1:]]),
+    }
+
+
+def write_results(name: str, report: dict, markdown, plot) -> None:
+    """benchmarks/results/<name>.{json,md,png}."""
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (RESULTS / f"{name}.md").write_text(markdown(report))
+    plot(report, RESULTS / f"{name}.png")
 
 
 def markdown(report: dict) -> str:

@@ -1,0 +1,80 @@
+"""CPU tree attention (``vllm_recycling.tree_verify.tree_attention``) per layer, at SmolLM2-135M's
+shapes (9 query heads, 3 key/value heads, head size 64), for batch sizes and prefix mixes the
+server benchmark meets; also with every request padded to the batch's longest prefix (one group),
+which is what grouping by prefix length avoids.
+
+    python benchmarks/tree_attention.py      # writes benchmarks/results/tree_attention_cpu.md
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from vllm_recycling.tree import load_tree
+from vllm_recycling.tree_verify import TreeLayout, TreeStep, tree_attention
+import vllm_recycling.tree_verify as tree_verify
+
+RESULTS = Path(__file__).resolve().parent / "results"
+HEADS, KV_HEADS, HEAD_DIM, LAYERS = 9, 3, 64, 30
+CASES = [  # (requests, nodes each, prefix lengths)
+    (1, 16, [300]),
+    (1, 80, [300]),
+    (16, 16, [300] * 15 + [1500]),
+    (64, 16, [300] * 64),
+    (64, 16, [300] * 63 + [1500]),
+]
+
+
+def time_case(layout, requests, nodes, prefixes, one_group: bool, repeat: int = 10) -> float:
+    qsl = np.arange(requests + 1) * (nodes + 1)
+    step = TreeStep.plan(layout, np.array([nodes] * requests), qsl, np.array(prefixes), "cpu")
+    if one_group:
+        step.groups = [(torch.arange(requests), max(prefixes))]
+    total = int(qsl[-1])
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(total, HEADS, HEAD_DIM, generator=gen)
+    k = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen)
+    v = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen)
+    out = torch.zeros(total, HEADS * HEAD_DIM)
+    cache_k = torch.randn(requests, max(prefixes), KV_HEADS, HEAD_DIM, generator=gen)
+    cache_v = torch.randn(requests, max(prefixes), KV_HEADS, HEAD_DIM, generator=gen)
+
+    def read_prefix(req, positions):
+        return cache_k[req, : positions.shape[1]], cache_v[req, : positions.shape[1]]
+
+    tree_attention(step, q, k, v, out, read_prefix, 0.125)  # warm-up
+    start = time.perf_counter()
+    for _ in range(repeat):
+        tree_attention(step, q, k, v, out, read_prefix, 0.125)
+    return 1000 * (time.perf_counter() - start) / repeat
+
+
+def main() -> None:
+    layout = TreeLayout.from_template(load_tree("2.2.2", topk=8), "cpu")
+    lines = ["| requests | rows each | prefixes | ms per layer, grouped | ms per step (30 layers) | "
+             "ms per layer, one padded group |", "|---|---|---|---|---|---|"]
+    for requests, nodes, prefixes in CASES:
+        grouped = time_case(layout, requests, nodes, prefixes, one_group=False)
+        padded = time_case(layout, requests, nodes, prefixes, one_group=True)
+        mix = ", ".join(f"{prefixes.count(p)} x {p}" for p in sorted(set(prefixes)))
+        lines.append(f"| {requests} | {nodes + 1} | {mix} | {grouped:.2f} | {LAYERS * grouped:.0f} | "
+                     f"{padded:.2f} |")
+        print(lines[-1], flush=True)
+    header = (f"# CPU tree attention per layer\n\n{datetime.date.today().isoformat()}; "
+              f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
+              f"({torch.get_num_threads()} threads); SmolLM2-135M shapes ({HEADS} heads, {KV_HEADS} "
+              f"key/value heads, head size {HEAD_DIM}); groups of at most "
+              f"{tree_verify.GROUP_SIZE}. Command: `python benchmarks/tree_attention.py`.\n\n")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "tree_attention_cpu.md").write_text(header + "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

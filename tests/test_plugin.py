@@ -310,6 +310,23 @@ def test_tree_preempted_requests_resume_identically(tiny_model, tiny_baseline):
     assert check_greedy_identity(base, out)["near_ties"] == []
 
 
+def test_tree_cut_by_the_token_budget(tiny_model, tiny_baseline):
+    """A step budget of 256 tokens holds three 81-row trees and part of a fourth: the scheduler
+    cuts the last scheduled request's tree to a breadth-first prefix and leaves the rest of the
+    batch for later steps. (An engine died on this at 64 concurrent requests: the cut request's
+    unscheduled nodes were looked up past the step's last logits row.)"""
+    from vllm import SamplingParams
+
+    prompts, base = tiny_baseline
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with engine(tiny_model, speculative_config=RECYCLING, max_num_batched_tokens=256,
+                max_model_len=256, disable_log_stats=False) as llm:
+        out = token_ids(llm.generate(prompts, params, use_tqdm=False))
+        counters = spec_counters(llm)
+    assert counters["draft_tokens"] < counters["drafts"] * 80  # some trees were cut
+    assert check_greedy_identity(base, out)["near_ties"] == []
+
+
 def test_tree_aborted_request_leaves_the_others_exact(tiny_model, tiny_baseline):
     from vllm import SamplingParams
 

@@ -143,6 +143,18 @@ def test_choose_paths(layout):
     assert path.tolist() == [[1, 3, 5], [1, 3, -1]]
 
 
+def test_choose_paths_reads_only_the_rows_of_a_cut_tree(layout):
+    # The scheduler's token budget cut the last request to root + a (2 rows), so the logits
+    # end at its row 1. Unscheduled nodes' parents (c: a, e: c) must not be looked up past it
+    # (an engine crashed on this at 64 concurrent requests: index 2049 in 2048 logits rows).
+    tokens = torch.tensor([9, 1, 2, 3, 4, 5, 9, 1])
+    logits = torch.zeros(8, 10)
+    logits[6, 1] = 1.0
+    step = plan(layout, [5, 1], [0, 6, 8], [20, 30])
+    path = choose_paths(step, logits, tokens, torch.tensor([0, 6]))
+    assert path.tolist() == [[1, 3, 5], [1, -1, -1]]
+
+
 def test_chain_plan_and_compaction(layout):
     # batch: request 0 a prefill (1 logits row), 1 a tree with path a -> d, 2 a tree cut to
     # 3 nodes with path b

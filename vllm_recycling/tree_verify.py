@@ -263,8 +263,9 @@ def choose_paths(
     layout = step.layout
     num_req, width = step.rows.shape
     j = torch.arange(width, device=logits.device)
-    node_rows = logits_start[:, None] + torch.minimum(j[None, :], step.num_rows[:, None] - 1)
-    parent_rows = logits_start[:, None] + layout.parent[:width][None, :]
+    last = step.num_rows[:, None] - 1  # a cut tree's unscheduled nodes read its last row
+    node_rows = logits_start[:, None] + torch.minimum(j[None, :], last)
+    parent_rows = logits_start[:, None] + torch.minimum(layout.parent[:width][None, :], last)
     node_tokens = tokens[node_rows].long()
     score = logits[parent_rows, node_tokens].float()  # [R, W]: node's logit under its parent
     score = torch.where(step.valid, score, float("-inf"))

@@ -169,7 +169,7 @@ def test_cuda_realistic_sizes(vocab, num_rows):
         logits = (torch.randn((num_rows, vocab), generator=g, device="cuda") * 3).to(dtype)
         logits[:, -1] = logits.max(-1).values  # a tie at the maximum with the last token id
         rows = torch.randint(0, vocab, (num_rows,), generator=g, device="cuda")
-        rows[::7] = rows[0]  # duplicates
+        rows[::7] = int(rows[0])  # duplicates (a Python int: rows[0] would overlap rows[::7])
         _check(logits, rows, torch.zeros((vocab, 8), dtype=torch.int32, device="cuda"))
 
 

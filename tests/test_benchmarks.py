@@ -12,6 +12,7 @@ from vllm_recycling.prompts import seeded_sample, spec_bench_questions
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import serve_bench  # noqa: E402
 import spec_bench  # noqa: E402
+import verify_cost  # noqa: E402
 
 
 def test_seeded_sample_and_held_out_split_every_category():
@@ -87,3 +88,55 @@ def test_serve_tables_and_plot(tmp_path):
     pytest.importorskip("matplotlib")
     serve_bench.plot(report, tmp_path / "serve.png")
     assert (tmp_path / "serve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_verify_cost_tree_step_computes_each_path_as_a_sequence():
+    """The benchmark times a real tree step: with the tree's mask and depth positions, every
+    node's logits equal a plain causal forward of its root-to-node path over the same prefix."""
+    import torch
+
+    from vllm_recycling.tree import load_tree
+
+    torch.manual_seed(0)
+    model = verify_cost.Decoder(verify_cost.SHAPES["tiny"], torch.float32, torch.device("cpu"))
+    tree, prefix = load_tree("tree16", topk=8), 5
+    ids, positions, mask = verify_cost.step_inputs(tree, 2, prefix, 512, "cpu")
+    assert mask.shape == (2, 1, 17, prefix + 17) and mask[..., :prefix].all()
+    assert torch.equal(positions[0], prefix + tree.depth)
+    history = torch.randint(0, 512, (2, prefix))
+
+    def run(tokens, pos, step_mask, length):
+        """Prefill the history (attending only to itself), then the step over it."""
+        cache = model.cache(2, length, torch.float32, torch.device("cpu"))
+        causal = torch.zeros(prefix, length, dtype=torch.bool)
+        causal[:, :prefix] = torch.ones(prefix, prefix, dtype=torch.bool).tril()
+        model.forward(history, torch.arange(prefix).expand(2, prefix), causal.expand(2, 1, prefix, length), cache, 0)
+        return model.forward(tokens, pos, step_mask, cache, prefix)
+
+    tree_logits = run(ids, positions, mask, prefix + 17)
+    for node in (3, 16):
+        path = [int(i) for i in tree.node_path[node] if i >= 0]
+        n = len(path)
+        seq_mask = torch.ones(n, prefix + n, dtype=torch.bool)
+        seq_mask[:, prefix:] = torch.ones(n, n, dtype=torch.bool).tril()
+        seq = run(ids[:, path], (prefix + torch.arange(n)).expand(2, n), seq_mask.expand(2, 1, n, prefix + n),
+                  prefix + n)
+        torch.testing.assert_close(tree_logits[:, node], seq[:, -1], rtol=1e-4, atol=1e-5)
+
+
+def test_verify_cost_tables(tmp_path):
+    assert verify_cost._options(["--batch", "1", "--out-dir", "/x", "--out-dir=/y", "--reps", "2"]) == [
+        "--batch", "1", "--reps", "2"]
+    assert verify_cost.main(["--shapes", "tiny", "--batch", "1", "2", "--trees", "chain6", "2.2.2",
+                             "--prefix", "8", "--reps", "1", "--device", "cpu",
+                             "--out-dir", str(tmp_path)]) == 0
+    report = __import__("json").loads((tmp_path / "verify_cost_cpu.json").read_text())
+    rows = report["rows"]
+    assert [(r["batch"], r["tree"], r["tokens"]) for r in rows] == [
+        (1, "plain", 1), (1, "chain6", 7), (1, "2.2.2", 81), (2, "plain", 2), (2, "chain6", 14), (2, "2.2.2", 162)]
+    assert all(r["eager_x_plain"] == r["eager_ms"] / rows[3 * (r["batch"] - 1)]["eager_ms"] for r in rows)
+    mat = report["meta"]["mats"].get("2.2.2")
+    if mat:  # the shipped reference_mat.json gives the projection
+        assert rows[2]["eager_projected"] == mat / rows[2]["eager_x_plain"]
+    text = (tmp_path / "verify_cost_cpu.md").read_text()
+    assert "| tiny | 2 | 2.2.2 | 162 |" in text and "--out-dir" not in text

@@ -36,7 +36,7 @@ def time_case(layout, requests, nodes, prefixes, one_group: bool, repeat: int = 
     qsl = np.arange(requests + 1) * (nodes + 1)
     step = TreeStep.plan(layout, np.array([nodes] * requests), qsl, np.array(prefixes), "cpu")
     if one_group:
-        step.groups = [(torch.arange(requests), max(prefixes))]
+        step.group([(np.arange(requests), max(prefixes))])
     total = int(qsl[-1])
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(total, HEADS, HEAD_DIM, generator=gen)

@@ -33,7 +33,7 @@ def test_plan_and_positions(layout):
     step = plan(layout, [0, 5, 0, 3], [0, 3, 9, 10, 14], [0, 10, 4, 7])
     assert step.req_index.tolist() == [1, 3]
     assert step.root_row.tolist() == [3, 10] and step.num_rows.tolist() == [6, 4]
-    assert step.prefix_len.tolist() == [10, 7] and step.max_prefix == 10 and step.num_tokens == 14
+    assert step.prefix_len.tolist() == [10, 7] and step.num_tokens == 14
     assert step.rows.tolist() == [[3, 4, 5, 6, 7, 8], [10, 11, 12, 13, 13, 13]]
     assert step.valid.tolist() == [[True] * 6, [True] * 4 + [False] * 2]
     assert step.mask[1].tolist()[3] == [True, True, False, True, False, False]
@@ -98,7 +98,8 @@ def test_tree_attention_groups_requests_by_prefix_length(layout, monkeypatch):
     qsl = np.concatenate([[0], np.cumsum(np.array(drafts) + 1)])
     step = plan(layout, drafts, qsl, prefixes)
     # below 32 tokens (2 groups: at most 3 each), 32..63, 64..127
-    assert [(g.tolist(), p) for g, p in step.groups] == [([1, 5], 2), ([3, 0], 9), ([6, 4], 40), ([2], 70)]
+    assert [(g.req.tolist(), g.prefix_positions.shape[1]) for g in step.groups] == [
+        ([1, 5], 2), ([3, 0], 9), ([6, 4], 40), ([2], 70)]
     total = int(qsl[-1])
     query, key, value = torch.randn(total, heads, dim), torch.randn(total, kv_heads, dim), torch.randn(total, kv_heads, dim)
     cache_k, cache_v = torch.randn(7, 70, kv_heads, dim), torch.randn(7, 70, kv_heads, dim)

@@ -92,11 +92,9 @@ class TreeStep:
     rows [R, W] int64: input row of node j (clamped inside the request where j >= num_rows).
     valid [R, W] bool: j < num_rows.
     mask [R, W, W] bool: [r, i, j]: node j is node i or its ancestor, and both exist.
-    max_prefix: the largest prefix_len (host int).
     num_tokens: rows in the step (host int).
-    groups: the requests cut into groups of similar prefix length (``_prefix_groups``):
-        (indices [g] into the R requests, the group's largest prefix_len as a host int), so
-        attention pads each group only to its own longest prefix.
+    groups: the requests cut into groups of similar prefix length (``_prefix_groups``), each
+        an ``AttentionGroup`` padded only to its own longest prefix.
     """
 
     layout: TreeLayout
@@ -107,13 +105,12 @@ class TreeStep:
     rows: torch.Tensor
     valid: torch.Tensor
     mask: torch.Tensor
-    max_prefix: int
     num_tokens: int
     # host copies, for the step's index arithmetic
     req_index_np: np.ndarray
     root_row_np: np.ndarray
     num_rows_np: np.ndarray
-    groups: list[tuple[torch.Tensor, int]]
+    groups: list["AttentionGroup"]
     slot_mapping: torch.Tensor | None = None  # this step's slots [>= num_tokens], set by the runner
 
     @classmethod
@@ -151,8 +148,7 @@ class TreeStep:
         )
         valid = t(valid_np, torch.bool)
         mask = layout.ancestors[:width, :width][None] & valid[:, :, None] & valid[:, None, :]
-        groups = [(t(g), int(prefix[g].max())) for g in _prefix_groups(prefix)]
-        return cls(
+        step = cls(
             layout=layout,
             req_index=t(req),
             root_row=t(root_row),
@@ -161,13 +157,22 @@ class TreeStep:
             rows=t(rows_np),
             valid=valid,
             mask=mask,
-            max_prefix=int(prefix.max()),
             num_tokens=int(qsl[-1]),
             req_index_np=req,
             root_row_np=root_row,
             num_rows_np=num_rows,
-            groups=groups,
+            groups=[],
         )
+        step.group([(g, int(prefix[g].max())) for g in _prefix_groups(prefix)])
+        return step
+
+    def group(self, groups: list[tuple[np.ndarray, int]]) -> None:
+        """Set ``groups`` from (request indices [g], the longest prefix among them) pairs."""
+        device = self.rows.device
+        self.groups = [
+            AttentionGroup.build(self, torch.as_tensor(np.asarray(req, dtype=np.int64), device=device), max_prefix)
+            for req, max_prefix in groups
+        ]
 
     def position_offsets(self) -> np.ndarray:
         """[num_tokens] int64 to add to vLLM's positions (prefix + j): depth(j) - j on tree
@@ -179,6 +184,35 @@ class TreeStep:
         rows = self.root_row_np[:, None] + j[None, :]
         offsets[rows[valid]] = np.broadcast_to(self.layout.depth_np[:width] - j, rows.shape)[valid]
         return offsets
+
+
+@dataclass
+class AttentionGroup:
+    """Tree requests attended together, and what every layer of the step reuses.
+
+    req [g] int64: indices into the step's R tree requests.
+    rows [g, W] int64: their node rows.
+    prefix_positions [g, P] int64: the cached positions read (P = the group's longest prefix).
+    allowed [g, W, P + W] bool: what node i may attend: its own prefix, then its ancestors.
+    written [g, W] bool: the node rows whose output tree attention replaces (not the roots).
+    """
+
+    req: torch.Tensor
+    rows: torch.Tensor
+    prefix_positions: torch.Tensor
+    allowed: torch.Tensor
+    written: torch.Tensor
+
+    @classmethod
+    def build(cls, step: "TreeStep", req: torch.Tensor, max_prefix: int) -> "AttentionGroup":
+        g, width = req.shape[0], step.rows.shape[1]
+        positions = torch.arange(max_prefix, device=req.device)
+        in_prefix = positions[None, :] < step.prefix_len[req, None]  # [g, P]
+        allowed = torch.cat([in_prefix[:, None, :].expand(-1, width, -1), step.mask[req]], dim=2)
+        written = step.valid[req].clone()
+        written[:, 0] = False  # roots keep vLLM's result
+        return cls(req=req, rows=step.rows[req], prefix_positions=positions.expand(g, -1),
+                   allowed=allowed, written=written)
 
 
 # (requests [g] indices into the step's R tree requests, positions [g, P]) -> keys, values
@@ -223,30 +257,24 @@ def tree_attention(
     group = num_heads // num_kv_heads
     out = output.view(output.shape[0], num_heads, head_dim)
     width = step.rows.shape[1]
-    for req, max_prefix in step.groups:
-        g = req.shape[0]
-        rows = step.rows[req]  # [g, W]
+    for grp in step.groups:
+        g, rows = grp.req.shape[0], grp.rows  # rows [g, W]
         # [g, W, H, D] -> [g, H_kv, G*W, D]: the G query heads of a key/value head stacked
         q = query[rows].float().view(g, width, num_kv_heads, group, head_dim)
         q = q.permute(0, 2, 3, 1, 4).reshape(g, num_kv_heads, group * width, head_dim)
-        k_all, v_all, allowed = key[rows].float(), value[rows].float(), step.mask[req]
-        if max_prefix > 0:
-            positions = torch.arange(max_prefix, device=rows.device)
-            k_pre, v_pre = read_prefix(req, positions.expand(g, -1))
+        k_all, v_all = key[rows].float(), value[rows].float()
+        if grp.prefix_positions.shape[1] > 0:
+            k_pre, v_pre = read_prefix(grp.req, grp.prefix_positions)
             k_all = torch.cat([k_pre.float(), k_all], dim=1)  # [g, P+W, H_kv, D]
             v_all = torch.cat([v_pre.float(), v_all], dim=1)
-            in_prefix = positions[None, :] < step.prefix_len[req, None]  # [g, P]
-            allowed = torch.cat([in_prefix[:, None, :].expand(-1, width, -1), allowed], dim=2)
         scores = torch.matmul(q, k_all.permute(0, 2, 3, 1)) * scale  # [g, H_kv, G*W, P+W]
         scores = scores.view(g, num_kv_heads, group, width, -1)
-        scores.masked_fill_(~allowed[:, None, None], float("-inf"))
+        scores.masked_fill_(~grp.allowed[:, None, None], float("-inf"))
         probs = torch.softmax(scores, dim=-1).view(g, num_kv_heads, group * width, -1)
         attn = torch.matmul(probs, v_all.transpose(1, 2))  # [g, H_kv, G*W, D]
         attn = attn.view(g, num_kv_heads, group, width, head_dim).permute(0, 3, 1, 2, 4)
         attn = attn.reshape(g, width, num_heads, head_dim).to(output.dtype)
-        nodes = step.valid[req].clone()
-        nodes[:, 0] = False  # roots keep vLLM's result
-        out[rows[nodes]] = attn[nodes]
+        out[rows[grp.written]] = attn[grp.written]
 
 
 def choose_paths(

@@ -38,6 +38,8 @@ def test_method_names():
         "method": "recycling", "tree": "2.2.2", "matrix_scope": "per_request"}
     assert spec_bench.speculative_config("recycling chain6 hot") == {
         "method": "recycling", "verify": "chain"}
+    assert spec_bench.speculative_config("recycling 2.2.2 warm") == spec_bench.METHODS["recycling 2.2.2 hot"]
+    assert spec_bench.speculative_config("suffix warm") == {"method": "suffix"}
     assert spec_bench.speculative_config("ngram:k=4:min=1:max=3") == {
         "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
         "prompt_lookup_max": 3}
@@ -140,3 +142,21 @@ def test_verify_cost_tables(tmp_path):
         assert rows[2]["eager_projected"] == mat / rows[2]["eager_x_plain"]
     text = (tmp_path / "verify_cost_cpu.md").read_text()
     assert "| tiny | 2 | 2.2.2 | 162 |" in text and "--out-dir" not in text
+
+
+def test_spec_bench_table_names_the_warm_up():
+    def row(method, tokens, accepted, warm_prompts=0):
+        figures = spec_bench._figures({"prompts": 2, "tokens": tokens, "accepted": accepted,
+                                       "drafts": 4, "draft_tokens": 40, "seconds": 2.0})
+        return {"method": method, "warm_up": {"prompts": warm_prompts, "tokens": 96 * warm_prompts},
+                **figures, "per_category": {"qa": figures}}
+
+    report = {"date": "2026-11-22", "machine": "x86_64, 2 CPUs", "vllm": "0.32.0", "model": "smollm2",
+              "dtype": "float32", "prompts": "p", "max_tokens": 48,
+              "command": "python benchmarks/spec_bench.py",
+              "results": [row("none", 96, 0), row("recycling 2.2.2 warm", 96, 48, warm_prompts=2)]}
+    md = spec_bench.markdown(report)
+    assert "| recycling 2.2.2 warm | 2.00 | 13.00 | 48.0 | 1.00x | 42 | 96 |" in md
+    assert "Warm-up, unmeasured, on the questions outside the sample: recycling 2.2.2 warm: " \
+           "2 prompts, 192 tokens." in md
+    assert "| qa |" in md and md.count("Warm-up") == 1

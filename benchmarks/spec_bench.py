@@ -235,13 +235,30 @@ def main() -> None:
     write_results(f"spec_bench_{args.tag}", report, markdown, plot)
     print("\n" + markdown(report))
 
+def cpu_model(cpuinfo: str | None = None) -> str:
+    """The processor's name and whether it has AVX-512, from ``/proc/cpuinfo`` (or the text
+    given). The development machine is not the same from one day to the next (the kernel
+    build and the CPU change), and a CPU step's cost moves with it, so times compare only
+    within one results file."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return platform.processor() or "unknown CPU"
+    first = cpuinfo.split("\n\n")[0]
+    fields = {k.strip(): v.strip() for k, v in
+              (line.split(":", 1) for line in first.splitlines() if ":" in line)}
+    avx512 = "with" if "avx512f" in fields.get("flags", "").split() else "without"
+    return f"{fields.get('model name', 'unknown CPU')} {avx512} AVX-512"
+
+
 def run_header(script: str, model: str) -> dict:
     """What every results file starts with: date, machine, vLLM version, model, the command."""
     import vllm
 
     return {
         "date": datetime.date.today().isoformat(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs ({cpu_model()}), {platform.platform()}",
         "vllm": vllm.__version__,
         "model": model,
         "command": " ".join([f"python benchmarks/{script}"] + [
@@ -315,7 +332,7 @@ def plot(report: dict, path: Path) -> None:
         ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8,
                 color="black" if v > middle else "white")
     ax.set_title(f"Tokens per step on Spec-Bench, {report['model']}, vLLM {report['vllm']}, "
-                 f"greedy, batch 1", fontsize=10)
+                 f"greedy, batch 1, up to {report['max_tokens']} new tokens", fontsize=10)
     fig.colorbar(image, ax=ax, fraction=0.03, pad=0.02)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

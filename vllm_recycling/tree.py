@@ -35,7 +35,6 @@ class TreeTemplate:
     rank       [N+1] int64, child rank under the parent (0 for the root)
     ancestors  [N+1, N+1] bool, ancestors[i, j]: j is i or an ancestor of i (the tree mask)
     node_path  [N+1, D+1] int64, node indices from the root down to node i, -1 padded
-    leaf_paths [L, D+1] int64, node_path rows of the leaves, in node order
     earlier_sibling [N+1, N+1] bool, [i, j]: j has i's parent and j < i
     rank_path  [N+1, D] int64, the ranks taken from the root down to node i, -1 padded (lets a
                kernel compute any node's token on its own, without waiting for its parent's)
@@ -49,7 +48,6 @@ class TreeTemplate:
     rank: torch.Tensor
     ancestors: torch.Tensor
     node_path: torch.Tensor
-    leaf_paths: torch.Tensor
     earlier_sibling: torch.Tensor
     rank_path: torch.Tensor
     level_starts: tuple[int, ...]
@@ -66,8 +64,8 @@ class TreeTemplate:
     def to(self, device: torch.device | str) -> "TreeTemplate":
         tensors = {
             f: getattr(self, f).to(device)
-            for f in ("parent", "depth", "rank", "ancestors", "node_path", "leaf_paths",
-                      "earlier_sibling", "rank_path")
+            for f in ("parent", "depth", "rank", "ancestors", "node_path", "earlier_sibling",
+                      "rank_path")
         }
         return TreeTemplate(self.name, self.paths, level_starts=self.level_starts, **tensors)
 
@@ -153,8 +151,6 @@ def compile_tree(paths: Sequence[Sequence[int]], topk: int, name: str = "inline"
         ancestors[i, chain] = True
         rank_path[i, : len(p)] = torch.tensor(p, dtype=torch.int64)
     parent_t = torch.tensor(parent, dtype=torch.int64)
-    is_leaf = torch.ones(n1, dtype=torch.bool)
-    is_leaf[parent_t[1:]] = False
     idx = torch.arange(n1)
     earlier_sibling = (parent_t[:, None] == parent_t[None, :]) & (idx[None, :] < idx[:, None])
     level_starts = tuple(depth.index(d) for d in range(max_depth + 1)) + (n1,)
@@ -166,7 +162,6 @@ def compile_tree(paths: Sequence[Sequence[int]], topk: int, name: str = "inline"
         rank=torch.tensor(rank, dtype=torch.int64),
         ancestors=ancestors,
         node_path=node_path,
-        leaf_paths=node_path[is_leaf],
         earlier_sibling=earlier_sibling,
         rank_path=rank_path,
         level_starts=level_starts,

@@ -27,7 +27,9 @@ keeps still form a tree. One step of tree verification is then:
    their node slots (prefix + j) to the slots of their positions (prefix + depth), the layout
    vLLM expects once the scheduler rolls back the rejected drafts.
 
-Nothing here imports vLLM; ``patches.py`` wires it in.
+Nothing here imports vLLM; ``patches.py`` wires it in. ``ACTIVE_STEP`` carries the plan of
+the step being executed from the planning (before the forward) to every attention layer and to
+the verification.
 """
 
 from __future__ import annotations
@@ -184,6 +186,22 @@ class TreeStep:
         rows = self.root_row_np[:, None] + j[None, :]
         offsets[rows[valid]] = np.broadcast_to(self.layout.depth_np[:width] - j, rows.shape)[valid]
         return offsets
+
+
+class ActiveTreeStep:
+    """The tree plan of the step this process is executing, None between tree steps. A worker
+    runs one step at a time: ``RecyclingProposer.plan_step`` sets it before the forward, every
+    attention layer reads it (``patches.TreeAttentionCPU``), ``RecyclingProposer.verify_tree``
+    takes it."""
+
+    step: TreeStep | None = None
+
+    def take(self) -> TreeStep | None:
+        step, self.step = self.step, None
+        return step
+
+
+ACTIVE_STEP = ActiveTreeStep()
 
 
 @dataclass

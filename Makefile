@@ -1,14 +1,19 @@
 # Two entry points: `make serve` (set up, then vLLM's OpenAI server with Token Recycling on the
-# default model, SmolLM2-135M-Instruct, at 127.0.0.1:8000) and `make test` (set up, then the test
-# suite). `make demo` runs the reference decoder instead; `make bench` the benchmarks of the README's
-# Performance section. All create .venv/ on first use.
+# default model, SmolLM2-135M-Instruct, at 127.0.0.1:8000) and `make test` (set up, then the whole
+# test suite, what CI runs). `make test-fast` skips the tests marked slow (real model, servers,
+# multi-process engines); `make demo` runs the reference decoder; `make bench` the benchmarks of
+# benchmarks/README.md. All create .venv/ on first use.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
 PORT ?= 8000
 
-.PHONY: setup serve demo test bench
+# Tests: two pytest processes, whole files to each (module fixtures share engines within a file),
+# one Torch thread each (tests/conftest.py).
+PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadfile
+
+.PHONY: setup serve demo test test-fast bench
 
 setup: $(VENV)/.installed
 
@@ -32,7 +37,10 @@ demo: setup
 	$(BIN)/vllm-recycling decode
 
 test: setup
-	$(BIN)/python -m pytest tests
+	$(PYTEST) tests
+
+test-fast: setup
+	$(PYTEST) -m "not slow" tests
 
 # arctic-inference 0.1.1 (vLLM's `suffix` method) is source-only, and its build in pip's isolated
 # build environment fails here (CMake finds no Python development files there, with cmake 4.4 and

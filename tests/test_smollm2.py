@@ -1,0 +1,191 @@
+"""The real model, SmolLM2-135M-Instruct (float32), on one Spec-Bench prompt per category:
+
+- vLLM with recycling: greedy output identical to vLLM without speculation, at batch 1 (one
+  prompt at a time, the matrix kept across them) and batch 8, for the default tree; at batch 8
+  for a small tree and for chain mode;
+- the reference decoder (plain transformers, the algorithm's oracle): greedy output equal to
+  ``generate``, and its tokens per tree step equal to vLLM's mean acceptance length on the same
+  prompts in the same order.
+
+Every run happens once, in module fixtures, and each test reads what it needs.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from engines import check_greedy_identity, engine, spec_counters, token_ids  # noqa: E402
+
+NEW_TOKENS = 32
+MAX_SEQS = 8
+MODES = {  # mode -> (speculative_config, batch sizes it runs at)
+    "2.2.2": ({"method": "recycling"}, (1, 8)),  # the default: verify="tree", tree "2.2.2"
+    "tree16": ({"method": "recycling", "tree": "tree16"}, (8,)),
+    "chain6": ({"method": "recycling", "verify": "chain"}, (8,)),
+}
+# vLLM's MAT against the reference decoder's: both run the same algorithm on the same outputs,
+# but where two siblings hold the same token vLLM takes the first and the reference the deepest.
+MAT_TOLERANCE = 0.03
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_model):
+    from transformers import AutoTokenizer
+
+    from vllm_recycling.prompts import chat_prompt_ids, spec_bench_questions
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_model)
+    questions = spec_bench_questions(per_category=1)
+    assert len({q["category"] for q in questions}) == len(questions) == 13
+    return [chat_prompt_ids(tokenizer, q["turns"][0]) for q in questions]
+
+
+def _generate(llm, prompts, params, batch: int):
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    if batch == 1:
+        return [llm.generate([x], params, use_tqdm=False)[0] for x in inputs]
+    return llm.generate(inputs, params, use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def runs(smollm2_model, prompts):
+    from vllm import SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=2)
+    out = {}
+    with engine(smollm2_model, max_num_seqs=MAX_SEQS) as llm:
+        for batch in (1, 8):
+            out["base", batch] = _generate(llm, prompts, greedy, batch)
+    for mode, (spec, batches) in MODES.items():
+        with engine(smollm2_model, max_num_seqs=MAX_SEQS, speculative_config=spec,
+                    disable_log_stats=False) as llm:
+            before = spec_counters(llm)
+            for batch in batches:
+                out[mode, batch] = token_ids(_generate(llm, prompts, greedy, batch))
+                after = spec_counters(llm)
+                out[mode, batch, "counters"] = {k: after[k] - before[k] for k in after}
+                before = after
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_model(smollm2_model):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_model, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model, prompts):
+    """The reference decoder over the prompts in order, one matrix (cold at the first)."""
+    from vllm_recycling.matrix import AdjacencyMatrix
+    from vllm_recycling.reference import ReferenceDecoder
+    from vllm_recycling.tree import load_tree
+
+    decoder = ReferenceDecoder(hf_model, load_tree("2.2.2", 8), AdjacencyMatrix(hf_model.config.vocab_size, 8))
+    eos = hf_model.config.eos_token_id
+    return [decoder.generate(ids, NEW_TOKENS, eos_token_id=eos) for ids in prompts]
+
+
+@pytest.mark.parametrize("mode,batch", [(m, b) for m, (_, batches) in MODES.items() for b in batches])
+def test_greedy_identical(runs, mode, batch):
+    result = check_greedy_identity(runs["base", batch], runs[mode, batch])
+    c = runs[mode, batch, "counters"]
+    print(f"\nsmollm2 {mode}, batch {batch}: {result['identical']}/{result['prompts']} identical, "
+          f"near-ties {result['near_ties']}; {c}, MAT {1 + c['accepted'] / c['drafts']:.3f}")
+    assert len(result["near_ties"]) <= 1, "more than one near-tie in 13 prompts means a bug, not numerics"
+    assert c["drafts"] > 0 and c["accepted"] > 0
+
+
+def test_reference_decoder_equals_generate(hf_model, prompts, reference):
+    import torch
+
+    eos = hf_model.config.eos_token_id
+    for i, (ids, got) in enumerate(zip(prompts, reference, strict=True)):
+        plain = hf_model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                  pad_token_id=eos)
+        assert got.tokens == plain[0, len(ids):].tolist(), i
+    steps = [s for got in reference for s in got.tokens_per_step]
+    assert sum(steps) / len(steps) > 1.5  # the tree really accepts drafts, not only bonus tokens
+
+
+def test_mat_matches_the_reference_decoder(runs, reference):
+    """vLLM's mean acceptance length (1 + accepted / drafts) at batch 1 for the default tree,
+    against the reference decoder's tokens per tree step on the same prompts in the same order."""
+    steps = [s for got in reference for s in got.tokens_per_step]
+    ours_mat = 1 + (c := runs["2.2.2", 1, "counters"])["accepted"] / c["drafts"]
+    ref_mat = sum(steps) / len(steps)
+    same = sum(got.tokens == vllm for got, vllm in zip(reference, runs["2.2.2", 1]))
+    print(f"\nMAT 2.2.2 batch 1: vLLM {ours_mat:.3f} ({c['drafts']} steps), reference {ref_mat:.3f} "
+          f"({len(steps)} steps); outputs equal on {same}/{len(reference)} prompts")
+    assert abs(ours_mat - ref_mat) <= MAT_TOLERANCE * ref_mat
+
+
+def test_checkpoint_from_the_cli(smollm2_model, hf_model):
+    """``vllm-recycling model smollm2`` prints where the prepared checkpoint is; the checkpoint
+    carries what older readers (vLLM) need, and the model answers a simple question."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoTokenizer
+
+    script = Path(sys.executable).with_name("vllm-recycling")
+    argv = [str(script)] if script.is_file() else [sys.executable, "-m", "vllm_recycling.cli"]
+    result = subprocess.run(argv + ["model", "smollm2"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [smollm2_model]
+
+    path = Path(smollm2_model)
+    assert json.loads((path / "config.json").read_text())["rope_theta"] == 100000.0
+    assert json.loads((path / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert hf_model.config.vocab_size == 49152
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == 2 == hf_model.config.eos_token_id
+    assert hf_model.generation_config.eos_token_id == 2
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert prompt.startswith("<|im_start|>system\n") and prompt.endswith("<|im_start|>assistant\n")
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        out = hf_model.generate(**ids, max_new_tokens=8, do_sample=False)
+    assert "Paris" in tokenizer.decode(out[0, ids.input_ids.shape[1]:], skip_special_tokens=True)
+
+
+needs_cuda = pytest.mark.skipif(
+    not __import__("torch").cuda.is_available(), reason="needs CUDA and vLLM for GPUs"
+)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_chain_greedy_identical(smollm2_model, prompts):
+    """On a GPU install: chain mode against no speculation (bf16 and batch 8 as users run it)."""
+    from vllm import SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=2)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    with engine(smollm2_model, max_num_seqs=MAX_SEQS) as llm:
+        base = llm.generate(inputs, greedy, use_tqdm=False)
+    with engine(smollm2_model, max_num_seqs=MAX_SEQS, speculative_config=MODES["chain6"][0]) as llm:
+        out = token_ids(llm.generate(inputs, greedy, use_tqdm=False))
+    assert len(check_greedy_identity(base, out)["near_ties"]) <= 1
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_tree_refused_at_start_up(smollm2_model):
+    from vllm_recycling.config import RecyclingConfigError
+
+    with pytest.raises(Exception) as e:
+        with engine(smollm2_model, speculative_config=MODES["2.2.2"][0]):
+            pass
+    assert isinstance(e.value, RecyclingConfigError) or "verify='tree' is not available" in str(e.value)

@@ -282,7 +282,8 @@ def markdown(report: dict) -> str:
     rows = report["results"]
     return "\n".join([
         "# Throughput under batching: vLLM's OpenAI server", "",
-        f"{report['date']}; {report['machine']}; vLLM {report['vllm']}; {report['model']}; server "
+        f"{report['date']}; {report['machine']}; LD_PRELOAD {report.get('ld_preload', 'none')}; "
+        f"vLLM {report['vllm']}; {report['model']}; server "
         f"`{' '.join(report['server_args'])}`; {report['prompts']}; greedy; up to "
         f"{report['max_tokens']} new tokens; {report['requests']} requests per level. "
         f"Command: `{report['command']}`.", "",

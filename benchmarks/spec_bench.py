@@ -260,6 +260,9 @@ def run_header(script: str, model: str) -> dict:
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs ({cpu_model()}), {platform.platform()}",
         "vllm": vllm.__version__,
+        # what vLLM's CPU worker asks for in LD_PRELOAD (Intel OpenMP, tcmalloc): file names only
+        "ld_preload": " ".join(Path(p).name for p in os.environ.get("LD_PRELOAD", "").split(":") if p)
+        or "none",
         "model": model,
         "command": " ".join([f"python benchmarks/{script}"] + [
             f"'{a}'" if " " in a or "," in a else a for a in sys.argv[1:]]),
@@ -279,7 +282,8 @@ def markdown(report: dict) -> str:
     base = next((r for r in rows if r["method"] == "none"), None)
     categories = list(rows[0]["per_category"])
     lines = [f"# Spec-Bench through vLLM", "",
-             f"{report['date']}; {report['machine']}; vLLM {report['vllm']}; {report['model']} "
+             f"{report['date']}; {report['machine']}; LD_PRELOAD {report.get('ld_preload', 'none')}; "
+             f"vLLM {report['vllm']}; {report['model']} "
              f"{report['dtype']}; {report['prompts']}; up to {report['max_tokens']} new tokens; "
              f"greedy; batch 1. Command: `{report['command']}`.", "",
              _table(rows, base), ""]

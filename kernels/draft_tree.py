@@ -1,8 +1,11 @@
 """Draft-tree build: every node's token for every request of the batch.
 
-``token[b, node] = table[row_base[b] + token[b, parent[node]], rank[node]]``, level by level
-from the roots. ``table`` is the adjacency matrix ``[R, k]`` int32: one ``[V, k]`` matrix (shared
-scope, row_base 0) or a pool of per-request matrices (row_base = slot * V).
+``token[b, node] = table[row(b, token[b, parent[node]]), rank[node]]``, level by level from the
+roots. ``table`` is the adjacency matrix ``[R, k]`` int32: one ``[V, k]`` matrix (shared scope,
+row(b, t) = t), a pool of per-request matrices (row(b, t) = row_base[b] + t), or the shared
+matrix with a per-request overlay (``Overlay``: ``size`` entries per request, a power of two;
+with e = key_base[b] + (t & (size - 1)), row(b, t) = offset + e when keys[e] == t, else t).
+See ``vllm_recycling.matrix`` for the scopes.
 
 The Triton kernel builds the trees of the whole batch in one launch. It needs no barrier between
 levels: each node walks from the root along its own rank path (``TreeTemplate.rank_path``),
@@ -17,11 +20,24 @@ out-of-range row, the kernel does not check (a corrupt table reads out of bounds
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from vllm_recycling.kernels import jit, next_power_of_2, triton_usable
 
 tl = None  # triton.language, filled in by kernels.jit() when the kernel is first built
+
+
+class Overlay(NamedTuple):
+    """Per-request overlay entries over a shared matrix. keys [E] int32 (the token an entry
+    holds, -1 none); key_base [B] int64 (each request's first entry); offset: the table row of
+    entry 0; size: entries per request (a power of two)."""
+
+    keys: torch.Tensor
+    key_base: torch.Tensor
+    offset: int
+    size: int
 
 
 def draft_tree_reference(
@@ -31,28 +47,41 @@ def draft_tree_reference(
     rank: torch.Tensor,
     level_starts: tuple[int, ...],
     row_base: torch.Tensor | None = None,
+    overlay: "Overlay | None" = None,
 ) -> torch.Tensor:
     """PyTorch reference.
 
     table [R, k] int32; roots [B] int; parent, rank [N+1] int64 (breadth-first, root first);
-    row_base [B] int64 or None. Returns tokens [B, N+1] int32 with tokens[:, 0] = roots.
+    row_base [B] int64 or None; overlay or None.
+    Returns tokens [B, N+1] int32 with tokens[:, 0] = roots.
     """
     tokens = torch.empty((roots.shape[0], parent.shape[0]), dtype=torch.int32, device=table.device)
     tokens[:, 0] = roots
     base = 0 if row_base is None else row_base[:, None]
     for d in range(1, len(level_starts) - 1):  # one gather per level, never per node
         s, e = level_starts[d], level_starts[d + 1]
-        rows = tokens[:, parent[s:e]].long() + base
+        prev = tokens[:, parent[s:e]].long()
+        rows = prev + base
+        if overlay is not None:
+            rows = _overlay_rows(overlay, prev, rows)
         tokens[:, s:e] = table[rows, rank[s:e]]
     return tokens
 
 
+def _overlay_rows(overlay: "Overlay", tok: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """rows [B, n], with each request's own overlay entry wherever its key holds the token."""
+    entry = overlay.key_base[:, None] + (tok & (overlay.size - 1))
+    return torch.where(overlay.keys[entry] == tok, overlay.offset + entry, rows)
+
+
 def _draft_tree_kernel(
     table_ptr, roots_ptr, base_ptr, prefix_ptr, rank_path_ptr, depth_ptr, out_ptr, pos_ptr,
-    num_nodes,
+    keys_ptr, key_base_ptr,
+    num_nodes, overlay_offset,
     stride_table, stride_roots, stride_base, stride_prefix, stride_rank_path,
-    stride_out_b, stride_out_n, stride_pos_b, stride_pos_n,
+    stride_out_b, stride_out_n, stride_pos_b, stride_pos_n, stride_key_base,
     DEPTH: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BASE: tl.constexpr, HAS_POS: tl.constexpr,
+    HAS_OVERLAY: tl.constexpr, OVERLAY_SIZE: tl.constexpr,
 ):
     """Grid (B, cdiv(N+1, BLOCK_N)): program (b, j) computes nodes j*BLOCK_N ... of request b."""
     b = tl.program_id(0).to(tl.int64)
@@ -64,11 +93,18 @@ def _draft_tree_kernel(
         base = tl.load(base_ptr + b * stride_base).to(tl.int64)
     else:
         base = 0
+    if HAS_OVERLAY:
+        key_base = tl.load(key_base_ptr + b * stride_key_base).to(tl.int64)
     tok = tl.zeros([BLOCK_N], dtype=tl.int64) + root
     for d in tl.static_range(DEPTH):
         step = live & (depth > d)
         r = tl.load(rank_path_ptr + nodes * stride_rank_path + d, mask=step, other=0)
-        nxt = tl.load(table_ptr + (base + tok) * stride_table + r, mask=step, other=0)
+        row = base + tok
+        if HAS_OVERLAY:
+            entry = key_base + (tok & (OVERLAY_SIZE - 1))
+            key = tl.load(keys_ptr + entry, mask=step, other=-1).to(tl.int64)
+            row = tl.where(key == tok, overlay_offset + entry, row)
+        nxt = tl.load(table_ptr + row * stride_table + r, mask=step, other=0)
         tok = tl.where(step, nxt.to(tl.int64), tok)
     tl.store(out_ptr + b * stride_out_b + nodes * stride_out_n, tok.to(tl.int32), mask=live)
     if HAS_POS:
@@ -97,11 +133,13 @@ def draft_tree_triton(
     positions_out: torch.Tensor | None = None,
     block_n: int | None = None,
     num_warps: int = 4,
+    overlay: Overlay | None = None,
 ):
     """Triton launcher: the whole batch in one launch, no host-device sync.
 
     table [R, k] int32; roots [B] int; rank_path [N+1, D] int (-1 padded) and depth [N+1] int,
-    on the table's device; row_base [B] int or None; prefix_len [B] int or None.
+    on the table's device; row_base [B] int or None; prefix_len [B] int or None; overlay or None
+    (its keys int32 and key_base [B] int on the table's device).
     Returns tokens [B, N+1] int32 (written into ``out`` when given), or ``(tokens, positions)``
     with positions [B, N+1] int64 when prefix_len is given (into ``positions_out`` when given).
     prefix_len, out and positions_out are not used by the plugin yet: they are for a GPU path
@@ -121,7 +159,12 @@ def draft_tree_triton(
     positions = None
     if prefix_len is not None:
         positions = _check_out(positions_out, (batch, n1), torch.int64, device, "positions_out")
-    for name, t in (("roots", roots), ("row_base", row_base), ("prefix_len", prefix_len)):
+    key_base = None if overlay is None else overlay.key_base
+    if overlay is not None and (overlay.keys.dtype != torch.int32 or overlay.keys.device != device
+                                or overlay.size < 1 or overlay.size & (overlay.size - 1)):
+        raise ValueError("overlay: expected int32 keys on the table's device and a power-of-two size")
+    for name, t in (("roots", roots), ("row_base", row_base), ("prefix_len", prefix_len),
+                    ("overlay.key_base", key_base)):
         if t is not None and (t.shape != (batch,) or t.device != device):
             raise ValueError(f"{name}: expected [{batch}] on {device}, got {tuple(t.shape)} on {t.device}")
     if batch > 0:
@@ -135,7 +178,9 @@ def draft_tree_triton(
             prefix_len if prefix_len is not None else roots,
             rank_path, depth, tokens,
             positions if positions is not None else tokens,
-            n1,
+            overlay.keys if overlay is not None else tokens,
+            key_base if key_base is not None else roots,
+            n1, overlay.offset if overlay is not None else 0,
             table.stride(0), roots.stride(0),
             row_base.stride(0) if row_base is not None else 0,
             prefix_len.stride(0) if prefix_len is not None else 0,
@@ -143,8 +188,10 @@ def draft_tree_triton(
             tokens.stride(0), tokens.stride(1),
             positions.stride(0) if positions is not None else 0,
             positions.stride(1) if positions is not None else 0,
+            key_base.stride(0) if key_base is not None else 0,
             DEPTH=rank_path.shape[1], BLOCK_N=block_n,
             HAS_BASE=row_base is not None, HAS_POS=positions is not None,
+            HAS_OVERLAY=overlay is not None, OVERLAY_SIZE=overlay.size if overlay is not None else 1,
             num_warps=num_warps,
         )
     return tokens if positions is None else (tokens, positions)
@@ -159,6 +206,7 @@ def draft_tree(
     prefix_len: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     positions_out: torch.Tensor | None = None,
+    overlay: Overlay | None = None,
 ):
     """Build the batch's draft trees: Triton when usable (``kernels.triton_usable``), else the
     reference.
@@ -167,11 +215,16 @@ def draft_tree(
     table's device; the other arguments and the return value as in ``draft_tree_triton``.
     """
     tensors = [t for t in (table, roots, row_base, prefix_len, out, positions_out) if t is not None]
+    if overlay is not None:
+        tensors += [overlay.keys, overlay.key_base]
     if triton_usable(*tensors):
         return draft_tree_triton(
-            table, roots, tree.rank_path, tree.depth, row_base, prefix_len, out, positions_out
+            table, roots, tree.rank_path, tree.depth, row_base, prefix_len, out, positions_out,
+            overlay=overlay,
         )
-    tokens = draft_tree_reference(table, roots, tree.parent, tree.rank, tree.level_starts, row_base)
+    tokens = draft_tree_reference(
+        table, roots, tree.parent, tree.rank, tree.level_starts, row_base, overlay
+    )
     if out is not None:
         tokens = _check_out(out, tokens.shape, torch.int32, table.device, "out").copy_(tokens)
     if prefix_len is None:

@@ -46,13 +46,18 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_KERNEL_K = 64  # larger k goes to the reference: the running list lives in registers
 
 
-def topk_update_reference(logits: torch.Tensor, rows: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+def topk_update_reference(
+    logits: torch.Tensor, rows: torch.Tensor, table: torch.Tensor, topk_out: torch.Tensor | None = None
+) -> torch.Tensor:
     """PyTorch reference.
 
     logits [T, V] float (any dtype); rows [T] int64 (matrix row of each node's token);
-    table [R, k] int32, updated in place. Returns argmax [T] int64.
+    table [R, k] int32, updated in place; topk_out [T, k] int32, if given, receives every row's
+    top-k. Returns argmax [T] int64.
     """
     top = topk_lowest_id_first(logits, table.shape[1])
+    if topk_out is not None:
+        topk_out.copy_(top)
     uniq, inverse = torch.unique(rows, return_inverse=True)
     order = torch.arange(rows.shape[0], device=rows.device)
     last = torch.zeros_like(uniq).scatter_reduce_(0, inverse, order, "amax", include_self=False)
@@ -268,8 +273,11 @@ def topk_update_triton(
     return argmax_out
 
 
-def topk_update(logits: torch.Tensor, rows: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Update ``table`` from the verification logits; returns the argmax of each row.
+def topk_update(
+    logits: torch.Tensor, rows: torch.Tensor, table: torch.Tensor, topk_out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Update ``table`` from the verification logits; returns the argmax of each row, and
+    writes every row's top-k [T, k] int32 into ``topk_out`` when given.
 
     Triton when usable (``kernels.triton_usable``) and the kernel takes the input (fp32 / bf16 /
     fp16 logits, k <= MAX_KERNEL_K); the PyTorch reference otherwise.
@@ -282,5 +290,5 @@ def topk_update(logits: torch.Tensor, rows: torch.Tensor, table: torch.Tensor) -
         and table.shape[1] <= min(MAX_KERNEL_K, logits.shape[-1])
         and table.stride(-1) == 1
     ):
-        return topk_update_triton(logits, rows, table)
-    return topk_update_reference(logits, rows, table)
+        return topk_update_triton(logits, rows, table, topk_out=topk_out)
+    return topk_update_reference(logits, rows, table, topk_out)

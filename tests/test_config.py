@@ -25,7 +25,7 @@ def refused(message: str, **keys) -> None:
 def test_defaults():
     config = parse()
     assert config == RecyclingConfig(
-        tree=None, topk=8, matrix_scope="shared", matrix_snapshot=None,
+        tree=None, topk=8, matrix_scope="shared", overlay_rows=512, matrix_snapshot=None,
         matrix_snapshot_interval=300.0, verify="tree", num_speculative_tokens=80,
     )
     assert config.tree_template().name == "2.2.2" and config.tree_template().num_nodes == 80
@@ -77,9 +77,19 @@ def test_topk_larger_than_the_vocabulary():
 def test_matrix_scope(value):
     refused(
         f'speculative_config["matrix_scope"] = {value!r} is not valid: '
-        "expected one of 'shared', 'per_request'",
+        "expected one of 'shared', 'per_request', 'overlay'",
         matrix_scope=value,
     )
+
+
+@pytest.mark.parametrize("value", [0, 8, 100, 131072, 64.0, True, "512"])
+def test_overlay_rows(value):
+    refused(
+        f'speculative_config["overlay_rows"] = {value!r} is not valid: '
+        "expected a power of two from 16 to 65536",
+        overlay_rows=value,
+    )
+    assert parse(matrix_scope="overlay", overlay_rows=16).overlay_rows == 16
 
 
 @pytest.mark.parametrize("value", ["beam", "", None, "CHAIN"])
@@ -161,7 +171,7 @@ def test_tree_from_a_file(tmp_path):
 def test_unknown_key():
     refused(
         "speculative_config has unknown key(s) 'draft_model', 'top_k' for method 'recycling'; "
-        "allowed keys: method, tree, topk, matrix_scope, matrix_snapshot, "
+        "allowed keys: method, tree, topk, matrix_scope, overlay_rows, matrix_snapshot, "
         "matrix_snapshot_interval, verify, num_speculative_tokens",
         top_k=8, draft_model="x",
     )
@@ -203,7 +213,7 @@ def test_snapshot_not_there_yet_starts_cold(tmp_path):
     )
     refused(
         f'speculative_config["matrix_snapshot"] = {str(path)!r} is not valid: a snapshot holds '
-        "the shared matrix; it needs matrix_scope 'shared'",
+        "the shared matrix; it needs matrix_scope 'shared' or 'overlay'",
         matrix_snapshot=str(path), matrix_scope="per_request",
     )
 

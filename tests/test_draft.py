@@ -36,7 +36,7 @@ def test_draft_per_request_rows():
     m.allocate("a"), m.allocate("b")
     m.view("a")[:, 0] = torch.tensor([1, 2, 3, 0], dtype=torch.int32)
     m.view("b")[:, 0] = torch.tensor([3, 0, 1, 2], dtype=torch.int32)
-    tokens = draft_tokens(m.table, torch.tensor([0, 0]), tree, m.row_base(["a", "b"]))
+    tokens = m.draft(torch.tensor([0, 0]), tree, m.slots(["a", "b"]))
     assert tokens.tolist() == [[0, 1, 2], [0, 3, 2]]
 
 

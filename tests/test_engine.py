@@ -131,34 +131,46 @@ def test_aborted_request_leaves_the_others_exact(tiny_base, tiny_recycling):
 
 # -- other configurations ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("verify", ["tree", "chain"])
-def test_per_request_matrices_greedy_identical(tiny_model, tiny_base, verify):
+@pytest.mark.parametrize("scope,verify", [("per_request", "tree"), ("per_request", "chain"), ("overlay", "tree")])
+def test_other_scopes_greedy_identical(tiny_model, tiny_base, scope, verify):
     from vllm_recycling.config import DEFAULT_CHAIN_LENGTH
     from vllm_recycling.tree import load_tree
 
-    spec = {**RECYCLING, "matrix_scope": "per_request", "verify": verify}
+    spec = {**RECYCLING, "matrix_scope": scope, "verify": verify}
     seeded = sampled_params(range(7, 23))
     with engine(tiny_model, speculative_config=spec, disable_log_stats=False) as llm:
         out = token_ids(llm.generate(TINY_PROMPTS, greedy(), use_tqdm=False))
         counters = spec_counters(llm)
-        # each request starts from an empty matrix of its own, so its drafts, and with them its
-        # seeded draws, repeat (under the shared matrix they depend on the traffic before)
         draws = [token_ids(llm.generate([TINY_PROMPTS[0]] * 16, seeded, use_tqdm=False)) for _ in range(2)]
-    assert draws[0] == draws[1] and len(set(map(tuple, draws[0]))) > 1
     assert check_greedy_identity(tiny_base["greedy"], out)["near_ties"] == []
     nodes = load_tree("2.2.2", 8).num_nodes if verify == "tree" else DEFAULT_CHAIN_LENGTH
     assert counters["drafts"] > 0 and counters["draft_tokens"] == counters["drafts"] * nodes
+    assert counters["accepted"] > 0
+    if scope == "per_request":
+        # each request starts from an empty matrix of its own, so its drafts, and with them its
+        # seeded draws, repeat (with a shared part they depend on the traffic before)
+        assert draws[0] == draws[1] and len(set(map(tuple, draws[0]))) > 1
 
 
-def test_preempted_requests_resume_identically(tiny_model, tiny_base):
+@pytest.mark.parametrize("scope", ["shared", "overlay"])
+def test_preempted_requests_resume_identically(tiny_model, tiny_base, scope):
     """A KV cache of 12 blocks (of 32 tokens) cannot hold 12 requests of up to 100 tokens plus
-    80 draft slots each: the scheduler preempts and later resumes requests."""
-    with engine(tiny_model, speculative_config=RECYCLING, num_gpu_blocks_override=12, block_size=32,
-                max_model_len=256, disable_log_stats=False) as llm:
+    80 draft slots each: the scheduler preempts and later resumes requests. With per-request
+    slots (overlay), every slot is back in the pool once the requests are done: after one more
+    request, it alone holds one."""
+    spec = {**RECYCLING, "matrix_scope": scope}
+    with engine(tiny_model, speculative_config=spec, num_gpu_blocks_override=12, block_size=32,
+                max_model_len=256, max_num_seqs=16, disable_log_stats=False) as llm:
         out = token_ids(llm.generate(TINY_PROMPTS, greedy(), use_tqdm=False))
         preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+        llm.generate(TINY_PROMPTS[:1], greedy(8), use_tqdm=False)
+        (pool,) = llm.collective_rpc(
+            lambda w: (len(w.model_runner.drafter._slot_holders), len(w.model_runner.drafter.matrix._free))
+        )
     assert preemptions > 0
     assert check_greedy_identity(tiny_base["greedy"], out)["near_ties"] == []
+    if scope == "overlay":
+        assert pool == (1, 15)
 
 
 def test_trees_cut_by_the_token_budget_stay_exact(tiny_model, tiny_base):

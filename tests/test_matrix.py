@@ -51,9 +51,9 @@ def test_update_duplicates_last_in_order_wins():
 def test_update_k1_and_per_request_rows():
     m = AdjacencyMatrix(3, 1, scope="per_request", max_requests=2)
     assert m.allocate("a") == 0 and m.allocate("b") == 1 and m.allocate("a") == 0
-    base = m.row_base(["b", "a"])
-    assert base.tolist() == [3, 0]
-    m.update(torch.tensor([[2], [2]]), torch.eye(3)[[0, 1]], base)
+    slots = m.slots(["b", "a"])
+    assert slots.tolist() == [1, 0] and m.lookup(slots)[0].tolist() == [3, 0]
+    m.update(torch.tensor([[2], [2]]), torch.eye(3)[[0, 1]], slots)
     assert m.view("b")[:, 0].tolist() == [0, 0, 0]
     assert m.view("a")[:, 0].tolist() == [0, 0, 1]
     assert m.table[:, 0].tolist() == [0, 0, 1, 0, 0, 0]
@@ -84,7 +84,7 @@ def test_shared_scope_never_resets():
     m.table[0] = 2
     m.free("a")
     m.allocate("b")
-    assert m.table[0].tolist() == [2] and m.row_base(["b"]) is None
+    assert m.table[0].tolist() == [2] and m.slots(["b"]) is None
 
 
 def test_bad_arguments():
@@ -137,3 +137,68 @@ def test_snapshot_errors(tmp_path):
         load_snapshot(forged, 7, 2)
     with pytest.raises(SnapshotError, match="per_request"):
         AdjacencyMatrix(7, 2, scope="per_request").save(tmp_path / "x.safetensors")
+
+
+# -- overlay scope: the shared matrix read through each request's own recent rows --------------
+
+def _rows(vocab: int, next_tokens: list[int]) -> torch.Tensor:
+    """Logits rows whose top-2 is (next token, then token 0 or 1)."""
+    logits = -torch.arange(vocab, dtype=torch.float32).repeat(len(next_tokens), 1)
+    logits[range(len(next_tokens)), next_tokens] = 100.0
+    return logits
+
+
+def test_overlay_reads_own_rows_then_shared():
+    """Two requests verify token 5 in one step (a: 5 -> 7, then b: 5 -> 9): the shared row gets
+    the last (b's), each request's own entry its own, and a third request reads the shared row."""
+    from vllm_recycling.tree import compile_tree
+
+    m = AdjacencyMatrix(16, 2, scope="overlay", max_requests=3, overlay_rows=4)
+    for r in ("a", "b", "c"):
+        m.allocate(r)
+    m.update(torch.tensor([[5], [5]]), _rows(16, [7, 9]), m.slots(["a", "b"]))
+    assert m.table[5].tolist() == [9, 0]
+    chain = compile_tree([[0]], topk=1)
+    roots = torch.tensor([5, 5, 5])
+    assert m.draft(roots, chain, m.slots(["a", "b", "c"]))[:, 1].tolist() == [7, 9, 9]
+    assert m.draft(roots, chain)[:, 1].tolist() == [9, 9, 9]  # no slots: the shared matrix
+
+
+def test_overlay_collision_latest_wins_and_falls_back():
+    """Entries are token % overlay_rows: token 9 evicts token 5 (both entry 1) from a's rows,
+    so a reads token 5 from the shared matrix again. In one step the last row wins."""
+    m = AdjacencyMatrix(16, 1, scope="overlay", max_requests=1, overlay_rows=4)
+    m.allocate("a")
+    slot = m.slots(["a"])
+    m.update(torch.tensor([[5, 5]]), _rows(16, [7, 8]), slot)  # a's 5 -> 8 (the later row)
+    assert m.keys[:4].tolist() == [-1, 5, -1, -1] and m.table[16 + 1, 0] == 8
+    m.table[5, 0] = 3  # another request's write to the shared row
+    m.update(torch.tensor([[9]]), _rows(16, [2]), slot)
+    assert m.keys[:4].tolist() == [-1, 9, -1, -1]
+    row_base, overlay = m.lookup(slot)
+    from vllm_recycling.kernels.draft_tree import _overlay_rows
+
+    assert row_base is None
+    assert _overlay_rows(overlay, torch.tensor([[5, 9]]), torch.tensor([[5, 9]])).tolist() == [[5, 17]]
+
+
+def test_overlay_slots_reset_and_memory():
+    m = AdjacencyMatrix(16, 8, scope="overlay", max_requests=2, overlay_rows=16)
+    assert m.table.shape == (16 + 2 * 16 + 1, 8) and m.keys.shape == (2 * 16 + 1,)
+    m.allocate("a")
+    m.update(torch.tensor([[3]]), _rows(16, [4]), m.slots(["a"]))
+    assert (m.keys >= 0).sum() == 1
+    m.free("a")
+    m.allocate("b")  # gets a's slot back, with every entry empty
+    assert m.slots(["b"]).tolist() == [0] and (m.keys >= 0).sum() == 0
+    assert m.table[3, 0] == 4  # the shared row stays
+    with pytest.raises(ValueError, match="overlay_rows must be a power of two"):
+        AdjacencyMatrix(16, 8, scope="overlay", overlay_rows=12)
+
+
+def test_overlay_snapshot_holds_the_shared_rows(tmp_path):
+    m = AdjacencyMatrix(16, 2, scope="overlay", max_requests=2, overlay_rows=4)
+    m.allocate("a")
+    m.update(torch.tensor([[5]]), _rows(16, [7]), m.slots(["a"]))
+    m.save(tmp_path / "adj.safetensors")
+    assert torch.equal(load_snapshot(tmp_path / "adj.safetensors", 16, 2), m.table[:16])

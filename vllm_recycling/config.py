@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 import torch
 
-from vllm_recycling.matrix import SCOPES, SnapshotError, load_snapshot
+from vllm_recycling.matrix import DEFAULT_OVERLAY_ROWS, SCOPES, SnapshotError, load_snapshot
 from vllm_recycling.tree import (
     DEFAULT_TREE,
     MAX_DEPTH,
@@ -57,7 +57,10 @@ class RecyclingConfig:
         means the default template (``tree.DEFAULT_TREE``, "2.2.2") wherever a tree is used.
         Checked against topk when given; verify="chain" does not use it.
     topk: successors kept per matrix row (1..64).
-    matrix_scope: "shared" (one matrix, never reset) | "per_request".
+    matrix_scope: "shared" (one matrix, never reset) | "per_request" (one per live request) |
+        "overlay" (the shared matrix, read through each request's own most recent rows).
+    overlay_rows: matrix_scope="overlay": rows each request keeps of its own (a power of two,
+        16..65536); a token's row lives at entry token % overlay_rows, the latest verified wins.
     matrix_snapshot: a file for the shared matrix: loaded at start-up when it exists (else the
         matrix starts from zeros; its folder must exist), saved there atomically every
         matrix_snapshot_interval seconds and when the engine shuts down. None: no file.
@@ -72,6 +75,7 @@ class RecyclingConfig:
     tree: str | tuple[tuple[int, ...], ...] | None = None
     topk: int = DEFAULT_TOPK
     matrix_scope: str = "shared"
+    overlay_rows: int = DEFAULT_OVERLAY_ROWS
     matrix_snapshot: str | None = None
     matrix_snapshot_interval: float = 300.0
     verify: str = "tree"
@@ -82,15 +86,18 @@ class RecyclingConfig:
             raise _field_error("topk", self.topk, f"expected an integer from 1 to {MAX_TOPK}")
         if self.matrix_scope not in SCOPES:
             raise _field_error("matrix_scope", self.matrix_scope, _one_of(SCOPES))
+        rows = self.overlay_rows
+        if not _is_int(rows) or not 16 <= rows <= 65536 or rows & (rows - 1):
+            raise _field_error("overlay_rows", rows, "expected a power of two from 16 to 65536")
         if self.matrix_snapshot is not None:
             if not isinstance(self.matrix_snapshot, str):
                 raise _field_error(
                     "matrix_snapshot", self.matrix_snapshot, "expected a file path (a string)"
                 )
-            if self.matrix_scope != "shared":
+            if self.matrix_scope == "per_request":
                 raise _field_error(
                     "matrix_snapshot", self.matrix_snapshot,
-                    "a snapshot holds the shared matrix; it needs matrix_scope 'shared'",
+                    "a snapshot holds the shared matrix; it needs matrix_scope 'shared' or 'overlay'",
                 )
             folder = Path(self.matrix_snapshot).expanduser().absolute().parent
             if not folder.is_dir():

@@ -1,15 +1,26 @@
 """The adjacency matrix: for every token, the k most likely next tokens seen after it recently.
 
-Storage is one int32 table ``[slots * V, k]`` on any device; a request's row for token t is
-``row_base + t``. Scope ``shared`` has one slot used by every request and never reset (the paper's
-hot start); scope ``per_request`` gives each live request its own slot from a fixed pool, reset
-when the slot is handed out and returned when the request ends.
+Storage is one int32 table ``[rows, k]`` on any device. The scope says whose rows a request
+reads and writes:
+
+- ``shared``: one ``[V, k]`` matrix used by every request and never reset (the paper's hot
+  start). Requests running together overwrite each other's rows.
+- ``per_request``: each live request gets its own ``[V, k]`` matrix from a fixed pool (row
+  ``slot * V + t``), reset when handed out and returned when the request ends. No interference,
+  but every request starts cold and forgets what the others taught.
+- ``overlay``: the shared matrix, plus for each live request a small direct-mapped cache of the
+  rows it has verified itself: ``overlay_rows`` entries (a power of two), entry ``t % R`` holding
+  token t's successors when its key says t. A request reads its own entry where the key matches
+  and the shared row otherwise; verification writes both. Memory per request is
+  ``overlay_rows * (k + 1) * 4`` bytes whatever the vocabulary (18 KiB at 512 rows, k = 8).
+  Table layout: ``[V + slots * R + 1, k]``: shared rows, then each slot's R entries, then one
+  scratch row that absorbs the writes a later row of the same step overrides.
 
 Initial content: every entry is token 0. A draft is only a guess, so any initial value is
 lossless; 0 is a valid id for every vocabulary, costs nothing to write, and matches the paper's
 reference code (``torch.zeros``). Rows are overwritten the first time their token is verified, so
 the zeros only cost the first steps of a cold matrix a few rejected draft nodes. A snapshot
-replaces the zeros with a warm matrix saved earlier.
+replaces the zeros with a warm matrix saved earlier (shared and overlay scopes: the shared part).
 """
 
 from __future__ import annotations
@@ -20,9 +31,11 @@ from pathlib import Path
 
 import torch
 
+from vllm_recycling.kernels.draft_tree import Overlay
 from vllm_recycling.kernels.topk_update import topk_update
 
-SCOPES = ("shared", "per_request")
+SCOPES = ("shared", "per_request", "overlay")
+DEFAULT_OVERLAY_ROWS = 512
 SNAPSHOT_FORMAT = "vllm-recycling-adjacency"
 SNAPSHOT_VERSION = "1"
 SNAPSHOT_KEY = "adjacency"
@@ -47,13 +60,16 @@ class AdjacencyMatrix:
         max_requests: int = 1,
         device: torch.device | str = "cpu",
         initial: torch.Tensor | None = None,
+        overlay_rows: int = DEFAULT_OVERLAY_ROWS,
     ) -> None:
         if scope not in SCOPES:
             raise ValueError(f"matrix scope {scope!r}: expected one of {', '.join(SCOPES)}")
         if vocab_size < 1 or not 1 <= topk <= vocab_size:
             raise ValueError(f"need vocab_size >= 1 and 1 <= topk <= vocab_size, got {vocab_size}, {topk}")
-        if scope == "per_request" and max_requests < 1:
-            raise ValueError(f"per_request scope needs max_requests >= 1, got {max_requests}")
+        if scope != "shared" and max_requests < 1:
+            raise ValueError(f"{scope} scope needs max_requests >= 1, got {max_requests}")
+        if scope == "overlay" and (overlay_rows < 1 or overlay_rows & (overlay_rows - 1)):
+            raise ValueError(f"overlay_rows must be a power of two, got {overlay_rows}")
         self.vocab_size = vocab_size
         self.topk = topk
         self.scope = scope
@@ -62,7 +78,14 @@ class AdjacencyMatrix:
         self.initial = torch.zeros((vocab_size, topk), dtype=torch.int32, device=device)
         if initial is not None:
             self.initial.copy_(_checked(initial, vocab_size, topk, "initial matrix"))
-        self.table = self.initial.repeat(slots, 1)
+        self.overlay_rows = overlay_rows if scope == "overlay" else 0
+        self.keys: torch.Tensor | None = None  # overlay: [slots * R + 1] int32, -1 = empty
+        if scope == "overlay":
+            extra = torch.zeros((slots * overlay_rows + 1, topk), dtype=torch.int32, device=device)
+            self.table = torch.cat([self.initial, extra])
+            self.keys = torch.full((slots * overlay_rows + 1,), -1, dtype=torch.int32, device=device)
+        else:
+            self.table = self.initial.repeat(slots, 1)
         self._free = list(range(slots - 1, -1, -1))
         self._slot_of: dict[str, int] = {}
 
@@ -82,7 +105,10 @@ class AdjacencyMatrix:
                 f"all {len(self._slot_of)} per-request matrices are in use; raise max_requests"
             )
         slot = self._free.pop()
-        self.table[slot * self.vocab_size : (slot + 1) * self.vocab_size] = self.initial
+        if self.scope == "overlay":  # an empty cache: every key misses
+            self.keys[slot * self.overlay_rows : (slot + 1) * self.overlay_rows] = -1
+        else:
+            self.table[slot * self.vocab_size : (slot + 1) * self.vocab_size] = self.initial
         self._slot_of[request_id] = slot
         return slot
 
@@ -92,37 +118,71 @@ class AdjacencyMatrix:
         if slot is not None:
             self._free.append(slot)
 
-    def row_base(self, request_ids: list[str]) -> torch.Tensor | None:
-        """[B] int64 first table row of each request's matrix; None for the shared scope."""
+    def slots(self, request_ids: list[str]) -> torch.Tensor | None:
+        """[B] int64 slot of each request (allocated), on the table's device; None for the
+        shared scope. What ``draft`` and ``update`` take."""
         if self.scope == "shared":
             return None
-        bases = [self._slot_of[r] * self.vocab_size for r in request_ids]
-        return torch.tensor(bases, dtype=torch.int64, device=self.device)
+        return torch.tensor([self._slot_of[r] for r in request_ids], dtype=torch.int64, device=self.device)
 
     def view(self, request_id: str | None = None) -> torch.Tensor:
-        """The [V, k] matrix of a request (or the shared one)."""
-        slot = 0 if self.scope == "shared" else self._slot_of[request_id]
+        """The [V, k] matrix of a request under per_request scope, else the shared one."""
+        slot = self._slot_of[request_id] if self.scope == "per_request" else 0
         return self.table[slot * self.vocab_size : (slot + 1) * self.vocab_size]
+
+    def lookup(self, slots: torch.Tensor | None):
+        """What the draft kernels take for requests in ``slots`` [B] (None: shared):
+        ``(row_base, overlay)``, each None when not used by the scope. row_base [B] int64;
+        overlay a ``kernels.draft_tree.Overlay``: a request's entry for token t is
+        ``key_base + (t & (R - 1))``, read at table row ``offset + entry`` when ``keys[entry] == t``.
+        """
+        if slots is None or self.scope == "shared":
+            return None, None
+        if self.scope == "per_request":
+            return slots * self.vocab_size, None
+        return None, Overlay(self.keys, slots * self.overlay_rows, self.vocab_size, self.overlay_rows)
+
+    def draft(self, roots: torch.Tensor, tree, slots: torch.Tensor | None = None, **kwargs):
+        """The draft trees of requests with roots [B] and ``slots`` [B] (``draft.draft_tokens``)."""
+        from vllm_recycling.draft import draft_tokens
+
+        row_base, overlay = self.lookup(slots)
+        return draft_tokens(self.table, roots, tree, row_base, overlay=overlay, **kwargs)
 
     # -- update ----------------------------------------------------------------------------------
     def update(
-        self, tokens: torch.Tensor, logits: torch.Tensor, row_base: torch.Tensor | None = None
+        self, tokens: torch.Tensor, logits: torch.Tensor, slots: torch.Tensor | None = None
     ) -> torch.Tensor:
         """``adj[token[node]] = top-k(logits[node])`` for every node of every tree.
 
         tokens [B, M] int (the verified nodes, root included); logits [B*M, V] in the same
-        order; row_base [B] or None. Duplicate tokens: the last in (request, breadth-first) order
-        wins. Returns the argmax of each logits row, [B*M] int64, for greedy acceptance.
+        order; slots [B] int64 (``slots()``) or None. Duplicate rows: the last in (request,
+        breadth-first) order wins. Overlay scope: the shared row and the request's own entry
+        are both written from one top-k. Returns the argmax of each logits row, [B*M] int64,
+        for greedy acceptance.
         """
-        rows = tokens.long()
-        if row_base is not None:
-            rows = rows + row_base[:, None]
-        return topk_update(logits, rows.reshape(-1), self.table)
+        tokens = tokens.long()
+        row_base, overlay = self.lookup(slots)
+        rows = tokens if row_base is None else tokens + row_base[:, None]
+        if overlay is None:
+            return topk_update(logits, rows.reshape(-1), self.table)
+        top = torch.empty((logits.shape[0], self.topk), dtype=torch.int32, device=self.device)
+        argmax = topk_update(logits, rows.reshape(-1), self.table, topk_out=top)
+        keys, key_base, offset, _ = overlay
+        entry = (key_base[:, None] + (tokens & (self.overlay_rows - 1))).reshape(-1)
+        # last writer per entry wins; the overridden writes go to the scratch row (no host sync)
+        order = torch.arange(entry.shape[0], device=self.device)
+        last = torch.full_like(keys, -1, dtype=torch.int64).scatter_reduce_(0, entry, order, "amax")
+        entry = torch.where(last[entry] == order, entry, keys.shape[0] - 1)
+        self.table[offset + entry] = top
+        keys[entry] = tokens.reshape(-1).to(keys.dtype)
+        keys[-1] = -1  # the scratch entry never matches
+        return argmax
 
     # -- snapshots -------------------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
         """Write the shared matrix atomically (temp file + rename) as a .safetensors snapshot."""
-        if self.scope != "shared":
+        if self.scope == "per_request":
             raise SnapshotError("snapshots hold the shared matrix; scope is per_request")
         from safetensors.torch import save_file
 
@@ -137,7 +197,8 @@ class AdjacencyMatrix:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         os.close(fd)
         try:
-            save_file({SNAPSHOT_KEY: self.table.cpu().contiguous()}, tmp, metadata=meta)
+            shared = self.table[: self.vocab_size]
+            save_file({SNAPSHOT_KEY: shared.cpu().contiguous()}, tmp, metadata=meta)
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):

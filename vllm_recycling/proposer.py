@@ -33,7 +33,6 @@ import torch
 
 from vllm_recycling import cpu_kv
 from vllm_recycling.config import RecyclingConfig, RecyclingConfigError
-from vllm_recycling.draft import draft_tokens
 from vllm_recycling.matrix import AdjacencyMatrix
 from vllm_recycling.tree_verify import ACTIVE_STEP, ChainPlan, TreeLayout, TreeStep, choose_paths
 
@@ -54,11 +53,12 @@ class RecyclingProposer:
             vocab_size,
             topk=self.config.topk,
             scope=self.config.matrix_scope,
-            max_requests=vllm_config.scheduler_config.max_num_seqs,  # per_request: one each
+            max_requests=vllm_config.scheduler_config.max_num_seqs,  # one slot per live request
             device=device,
             initial=self.config.initial_matrix(vocab_size),
+            overlay_rows=self.config.overlay_rows,
         )
-        # The request ids of the current step's batch, in batch order (per_request scope).
+        # The request ids of the current step's batch, in batch order (per_request, overlay).
         self._batch_req_ids: list[str] = []
         self._slot_holders: set[str] = set()
         self._num_slots = vllm_config.scheduler_config.max_num_seqs
@@ -119,17 +119,17 @@ class RecyclingProposer:
         num_draft_tokens [B] (N of each request); live_req_ids: every request the runner still
         holds (finished ones are gone), to return their per-request matrices."""
         self._batch_req_ids = list(req_ids)
-        row_base = None
-        if self.matrix.scope == "per_request":
+        slots = None
+        if self.matrix.scope != "shared":
             self._assign_slots(self._batch_req_ids, set(live_req_ids))
-            bases = self.matrix.row_base(self._batch_req_ids)
-            rows = torch.tensor(num_draft_tokens, device=bases.device) + 1
-            row_base = bases.repeat_interleave(rows)
-        self.matrix.update(tokens[:, None], logits, row_base)
+            rows = torch.tensor(num_draft_tokens, device=self.matrix.device) + 1
+            slots = self.matrix.slots(self._batch_req_ids).repeat_interleave(rows)
+        self.matrix.update(tokens[:, None], logits, slots)
 
     def _assign_slots(self, batch: list[str], live: set[str]) -> None:
-        """Give every request of the batch a matrix: free those of finished requests, and when
-        the pool (max_num_seqs) is full, those of requests not in this batch (preempted)."""
+        """Give every request of the batch a slot (its matrix, or its overlay rows): free those of
+        finished requests, and when the pool (max_num_seqs) is full, those of requests not in
+        this batch (preempted)."""
         for req_id in self._slot_holders - live:
             self.matrix.free(req_id)
         self._slot_holders &= live
@@ -170,10 +170,10 @@ class RecyclingProposer:
         roots = torch.tensor(
             [sampled_token_ids[i][-1] for i in active], dtype=torch.int64, device=self.matrix.device
         )
-        row_base = None
-        if self.matrix.scope == "per_request":
-            row_base = self.matrix.row_base([self._batch_req_ids[i] for i in active])
-        chains = draft_tokens(self.matrix.table, roots, self.template, row_base)[:, 1:].tolist()
+        slots = None
+        if self.matrix.scope != "shared":
+            slots = self.matrix.slots([self._batch_req_ids[i] for i in active])
+        chains = self.matrix.draft(roots, self.template, slots)[:, 1:].tolist()
         for i, chain in zip(active, chains):
             drafts[i] = chain
         return drafts

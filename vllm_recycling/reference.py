@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 import torch
 
 from vllm_recycling.accept import accept, sample_from_logits
-from vllm_recycling.draft import draft_tokens
 from vllm_recycling.matrix import AdjacencyMatrix
 from vllm_recycling.tree import TreeTemplate
 
@@ -75,7 +74,7 @@ class ReferenceDecoder:
         greedy = sampling.temperature <= 0
 
         def pick(tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-            argmax = self.matrix.update(tokens, logits, row_base)
+            argmax = self.matrix.update(tokens, logits, slots)
             if greedy:
                 return argmax
             m = logits.shape[0]
@@ -86,7 +85,7 @@ class ReferenceDecoder:
             )
 
         self.matrix.allocate(request_id)
-        row_base = self.matrix.row_base([request_id])
+        slots = self.matrix.slots([request_id])
         out = Generation()
         try:
             cache = DynamicCache()
@@ -96,7 +95,7 @@ class ReferenceDecoder:
             while len(out.tokens) < max_new_tokens and out.tokens[-1] not in eos:
                 prefix = cache.get_seq_length()
                 root = torch.tensor([out.tokens[-1]], device=self.device)
-                tokens = draft_tokens(self.matrix.table, root, self.tree, row_base)
+                tokens = self.matrix.draft(root, self.tree, slots)
                 mask = torch.cat(
                     [torch.zeros((n1, prefix), dtype=self.tree_bias.dtype, device=self.device),
                      self.tree_bias], dim=1)

@@ -48,6 +48,56 @@ def test_random_matches_reference(device, spec, slots, batch):
     assert torch.equal(dt.draft_tree_triton(table, roots, tree.rank_path, tree.depth, base), want_tokens)
 
 
+def _overlay_case(vocab, k, batch, slots, size, device, seed):
+    """A shared [V, k] matrix followed by `slots * size` overlay rows and a scratch row; keys
+    that hold a token for about half the entries (some colliding: t & (size - 1) != t)."""
+    g = torch.Generator().manual_seed(seed)
+    entries = slots * size + 1
+    table = torch.randint(0, vocab, (vocab + entries, k), generator=g, dtype=torch.int32)
+    tok = torch.randint(0, vocab, (entries,), generator=g, dtype=torch.int32)
+    slot_of_entry = torch.arange(entries) % size
+    keys = torch.where((tok & (size - 1)) == slot_of_entry, tok, -1).to(torch.int32)
+    keys = torch.where(torch.rand(entries, generator=g) < 0.8, keys, -1).to(torch.int32)
+    # make sure hits exist: every slot's entry for token e (e < size) holds e half the time
+    for e in range(0, min(size, vocab), 2):
+        keys[torch.arange(slots) * size + e] = e
+    keys[-1] = -1
+    roots = torch.randint(0, vocab, (batch,), generator=g)
+    key_base = torch.randint(0, slots, (batch,), generator=g) * size
+    overlay = dt.Overlay(keys.to(device), key_base.to(device), vocab, size)
+    return table.to(device), roots.to(device), overlay
+
+
+@pytest.mark.parametrize("spec", ["2.2.2", "tree16"])
+@pytest.mark.parametrize("batch", [0, 1, 5])
+def test_overlay_matches_reference(device, spec, batch):
+    """Each request reads its own overlay entry where the key holds the token, the shared row
+    elsewhere; the reference does the same per level, the kernel per node along its path."""
+    tree = _tree(spec, 8, device)
+    table, roots, overlay = _overlay_case(12, 8, batch, 3, 4, device, seed=batch)
+    got = dt.draft_tree_triton(table, roots, tree.rank_path, tree.depth, overlay=overlay)
+    want = dt.draft_tree_reference(table, roots, tree.parent, tree.rank, tree.level_starts, None, overlay)
+    assert torch.equal(got, want)
+    if batch:  # the overlay changes the trees: without it they differ
+        plain = dt.draft_tree_reference(table, roots, tree.parent, tree.rank, tree.level_starts)
+        assert not torch.equal(plain, want)
+
+
+def test_overlay_by_hand():
+    """Shared: 1 -> 2, 2 -> 3. Request 0's overlay (size 2) holds token 2 -> 0 at entry 0;
+    request 1's holds nothing. Chain of 3 from root 1: request 0 reads 1 -> 2 (shared, key miss),
+    2 -> 0 (its own), 0 -> 0 (shared); request 1 reads the shared matrix only."""
+    tree = compile_tree([[0], [0, 0], [0, 0, 0]], topk=1)
+    table = torch.tensor([[0], [2], [3], [0], [0], [0], [0], [0], [9]], dtype=torch.int32)  # V = 4
+    keys = torch.tensor([2, -1, -1, -1, -1], dtype=torch.int32)  # slot 0: entries 0-1, slot 1: 2-3
+    overlay = dt.Overlay(keys, torch.tensor([0, 2]), 4, 2)
+    table[4 + 0, 0] = 0
+    roots = torch.tensor([1, 1])
+    want = torch.tensor([[1, 2, 0, 0], [1, 2, 3, 0]], dtype=torch.int32)
+    got = dt.draft_tree_reference(table, roots, tree.parent, tree.rank, tree.level_starts, None, overlay)
+    assert torch.equal(got, want)
+
+
 def test_duplicates_last_token_and_small_vocab(device):
     # V = 3: every tree is full of repeated tokens, within a tree and across the batch; token
     # V-1 is a root and fills whole rows; the same root twice in the batch.

@@ -35,16 +35,21 @@ def test_sampling_is_seeded_and_completes(tiny):
     assert len(runs[0].tokens) == 24 and all(0 <= t < model.config.vocab_size for t in runs[0].tokens)
 
 
-@pytest.mark.parametrize("tree", ["chain6", "tree16", [[0]]])
-def test_tiny_random_greedy_equals_generate(tiny, tree):
+@pytest.mark.parametrize("tree,scope", [("chain6", "per_request"), ("tree16", "per_request"),
+                                        ([[0]], "per_request"), ("tree16", "overlay"), ("tree16", "shared")])
+def test_tiny_random_greedy_equals_generate(tiny, tree, scope):
     model, tok = tiny
-    matrix = AdjacencyMatrix(model.config.vocab_size, 8, scope="per_request", max_requests=1)
+    matrix = AdjacencyMatrix(model.config.vocab_size, 8, scope=scope, max_requests=1, overlay_rows=16)
     decoder = ReferenceDecoder(model, load_tree(tree, 8), matrix)
-    for text in ["the tree of tokens", "a matrix of next words", "weather"]:
+    steps = []
+    for i, text in enumerate(["the tree of tokens", "a matrix of next words", "weather"]):
         ids = chat_prompt_ids(tok, text)
-        got = decoder.generate(ids, 32)  # no EOS: the full 32 tokens
+        got = decoder.generate(ids, 32, request_id=str(i))  # no EOS: the full 32 tokens
         assert got.tokens == _plain_greedy(model, ids, 32, None)[:32]
         assert len(got.tokens) == 32
+        steps += got.tokens_per_step
+    if scope != "per_request":  # a matrix kept across the prompts: some drafts are accepted
+        assert sum(steps) > len(steps)
 
 
 def test_max_new_tokens_one_and_eos_stop(tiny):

@@ -2,6 +2,7 @@
 
     python benchmarks/batching.py [--prompts 32] [--max-tokens 128] [--batches 1,8,32]
                                   [--scopes shared,per_request,overlay] [--tree 2.2.2]
+                                  [--overlay-rows R]
 
 Every (scope, batch) pair runs in its own process with a fresh engine (so every matrix starts
 empty) on the same prompts from the shipped Spec-Bench sample (one per category in turn, chat
@@ -65,6 +66,8 @@ def run_one(args) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model)
     inputs = [{"prompt_token_ids": chat_prompt_ids(tokenizer, q["turns"][0])} for q in prompts(args)]
     spec = {"method": "recycling", "matrix_scope": scope, "tree": args.tree}
+    if scope == "overlay" and args.overlay_rows:
+        spec["overlay_rows"] = args.overlay_rows
     llm = LLM(model, dtype="float32", enforce_eager=True, max_model_len=2048, seed=0,
               disable_log_stats=False, speculative_config=spec, max_num_seqs=max(batch, 2))
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
@@ -131,6 +134,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--scopes", default="shared,per_request,overlay")
     parser.add_argument("--tree", default="2.2.2")
+    parser.add_argument("--overlay-rows", type=int, help="overlay scope: rows per request "
+                        "(default: the config's default)")
     parser.add_argument("--tag", default="cpu")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -140,11 +145,12 @@ def main() -> None:
         return
     from vllm_recycling.matrix import DEFAULT_OVERLAY_ROWS
 
+    overlay_rows = args.overlay_rows or DEFAULT_OVERLAY_ROWS
     batches = [int(b) for b in args.batches.split(",")]
     scopes = args.scopes.split(",")
     report = {**run_header("batching.py", args.model), "prompts": args.prompts,
               "max_tokens": args.max_tokens, "tree": args.tree, "batches": batches, "scopes": scopes,
-              "overlay_rows": DEFAULT_OVERLAY_ROWS, "memory": memory_rows(8, DEFAULT_OVERLAY_ROWS),
+              "overlay_rows": overlay_rows, "memory": memory_rows(8, overlay_rows),
               "results": []}
     outputs = {}
     name = f"batching_{args.tag}"

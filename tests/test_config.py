@@ -25,7 +25,7 @@ def refused(message: str, **keys) -> None:
 def test_defaults():
     config = parse()
     assert config == RecyclingConfig(
-        tree=None, topk=8, matrix_scope="shared", overlay_rows=512, matrix_snapshot=None,
+        tree=None, topk=8, matrix_scope="overlay", overlay_rows=4096, matrix_snapshot=None,
         matrix_snapshot_interval=300.0, verify="tree", num_speculative_tokens=80,
     )
     assert config.tree_template().name == "2.2.2" and config.tree_template().num_nodes == 80

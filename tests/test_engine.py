@@ -25,7 +25,7 @@ RECYCLING = {"method": "recycling"}
 
 @pytest.fixture(scope="module")
 def tiny_recycling(tiny_model):
-    """The default configuration (shared matrix, tree "2.2.2"), kept for the whole module."""
+    """The default configuration (overlay matrix, tree "2.2.2"), kept for the whole module."""
     with engine(tiny_model, speculative_config=RECYCLING, disable_log_stats=False) as llm:
         yield llm
 
@@ -131,7 +131,7 @@ def test_aborted_request_leaves_the_others_exact(tiny_base, tiny_recycling):
 
 # -- other configurations ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("scope,verify", [("per_request", "tree"), ("per_request", "chain"), ("overlay", "tree")])
+@pytest.mark.parametrize("scope,verify", [("per_request", "tree"), ("per_request", "chain"), ("shared", "tree")])
 def test_other_scopes_greedy_identical(tiny_model, tiny_base, scope, verify):
     from vllm_recycling.config import DEFAULT_CHAIN_LENGTH
     from vllm_recycling.tree import load_tree
@@ -196,10 +196,10 @@ def test_snapshot_saved_at_shutdown_and_loaded_at_start(tiny_model, tmp_path):
     spec = {**RECYCLING, "matrix_snapshot": str(path), "matrix_snapshot_interval": 0}
     with engine(tiny_model, speculative_config=spec) as llm:
         llm.generate(random_prompts(4, seed=5, vocab_size=TINY_VOCAB), greedy(16), use_tqdm=False)
-        (live,) = llm.collective_rpc(lambda w: w.model_runner.drafter.matrix.table.clone())
+        (live,) = llm.collective_rpc(lambda w: w.model_runner.drafter.matrix.view().clone())
         assert not path.exists()  # interval 0: only at shutdown
     saved = load_snapshot(path, TINY_VOCAB, 8)
     assert torch.equal(saved, live) and int((saved != 0).any(1).sum()) > 0
     with engine(tiny_model, speculative_config=spec) as llm:
-        (start,) = llm.collective_rpc(lambda w: w.model_runner.drafter.matrix.table.clone())
+        (start,) = llm.collective_rpc(lambda w: w.model_runner.drafter.matrix.view().clone())
     assert torch.equal(start, saved)

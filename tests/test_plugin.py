@@ -244,7 +244,7 @@ def test_engine_config(tiny_model):
     )
     assert sc.draft_model_config is config.model_config
     assert config.additional_config["recycling"] == {
-        "tree": None, "topk": 4, "matrix_scope": "shared", "overlay_rows": 512, "matrix_snapshot": None,
+        "tree": None, "topk": 4, "matrix_scope": "overlay", "overlay_rows": 4096, "matrix_snapshot": None,
         "matrix_snapshot_interval": 300.0,
         "verify": "chain", "num_speculative_tokens": 3,
     }
@@ -258,7 +258,7 @@ def test_engine_config_tree_default(tiny_model):
     config = EngineArgs(tiny_model, **ENGINE, speculative_config=RECYCLING).create_engine_config()
     assert config.speculative_config.num_speculative_tokens == 80  # the nodes of "2.2.2"
     assert config.additional_config["recycling"] == {
-        "tree": None, "topk": 8, "matrix_scope": "shared", "overlay_rows": 512, "matrix_snapshot": None,
+        "tree": None, "topk": 8, "matrix_scope": "overlay", "overlay_rows": 4096, "matrix_snapshot": None,
         "matrix_snapshot_interval": 300.0,
         "verify": "tree", "num_speculative_tokens": 80,
     }

@@ -57,8 +57,8 @@ class RecyclingConfig:
         means the default template (``tree.DEFAULT_TREE``, "2.2.2") wherever a tree is used.
         Checked against topk when given; verify="chain" does not use it.
     topk: successors kept per matrix row (1..64).
-    matrix_scope: "shared" (one matrix, never reset) | "per_request" (one per live request) |
-        "overlay" (the shared matrix, read through each request's own most recent rows).
+    matrix_scope: "overlay" (default: the shared matrix, read through each request's own most
+        recent rows) | "shared" (one matrix, never reset) | "per_request" (one per live request).
     overlay_rows: matrix_scope="overlay": rows each request keeps of its own (a power of two,
         16..65536); a token's row lives at entry token % overlay_rows, the latest verified wins.
     matrix_snapshot: a file for the shared matrix: loaded at start-up when it exists (else the
@@ -74,7 +74,7 @@ class RecyclingConfig:
 
     tree: str | tuple[tuple[int, ...], ...] | None = None
     topk: int = DEFAULT_TOPK
-    matrix_scope: str = "shared"
+    matrix_scope: str = "overlay"
     overlay_rows: int = DEFAULT_OVERLAY_ROWS
     matrix_snapshot: str | None = None
     matrix_snapshot_interval: float = 300.0

@@ -12,7 +12,7 @@ reads and writes:
   rows it has verified itself: ``overlay_rows`` entries (a power of two), entry ``t % R`` holding
   token t's successors when its key says t. A request reads its own entry where the key matches
   and the shared row otherwise; verification writes both. Memory per request is
-  ``overlay_rows * (k + 1) * 4`` bytes whatever the vocabulary (18 KiB at 512 rows, k = 8).
+  ``overlay_rows * (k + 1) * 4`` bytes whatever the vocabulary (144 KiB at 4096 rows, k = 8).
   Table layout: ``[V + slots * R + 1, k]``: shared rows, then each slot's R entries, then one
   scratch row that absorbs the writes a later row of the same step overrides.
 
@@ -35,7 +35,7 @@ from vllm_recycling.kernels.draft_tree import Overlay
 from vllm_recycling.kernels.topk_update import topk_update
 
 SCOPES = ("shared", "per_request", "overlay")
-DEFAULT_OVERLAY_ROWS = 512
+DEFAULT_OVERLAY_ROWS = 4096
 SNAPSHOT_FORMAT = "vllm-recycling-adjacency"
 SNAPSHOT_VERSION = "1"
 SNAPSHOT_KEY = "adjacency"

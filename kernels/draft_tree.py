@@ -39,6 +39,10 @@ class Overlay(NamedTuple):
     offset: int
     size: int
 
+    def entries(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, n] int64 -> each request's entry for each token, [B, n] int64."""
+        return self.key_base[:, None] + (tokens & (self.size - 1))
+
 
 def draft_tree_reference(
     table: torch.Tensor,
@@ -70,7 +74,7 @@ def draft_tree_reference(
 
 def _overlay_rows(overlay: "Overlay", tok: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """rows [B, n], with each request's own overlay entry wherever its key holds the token."""
-    entry = overlay.key_base[:, None] + (tok & (overlay.size - 1))
+    entry = overlay.entries(tok)
     return torch.where(overlay.keys[entry] == tok, overlay.offset + entry, rows)
 
 

@@ -168,8 +168,8 @@ class AdjacencyMatrix:
             return topk_update(logits, rows.reshape(-1), self.table)
         top = torch.empty((logits.shape[0], self.topk), dtype=torch.int32, device=self.device)
         argmax = topk_update(logits, rows.reshape(-1), self.table, topk_out=top)
-        keys, key_base, offset, _ = overlay
-        entry = (key_base[:, None] + (tokens & (self.overlay_rows - 1))).reshape(-1)
+        keys, offset = overlay.keys, overlay.offset
+        entry = overlay.entries(tokens).reshape(-1)
         # last writer per entry wins; the overridden writes go to the scratch row (no host sync)
         order = torch.arange(entry.shape[0], device=self.device)
         last = torch.full_like(keys, -1, dtype=torch.int64).scatter_reduce_(0, entry, order, "amax")

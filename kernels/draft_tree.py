@@ -12,7 +12,9 @@ levels: each node walks from the root along its own rank path (``TreeTemplate.ra
 ``tok = root; for d < depth[node]: tok = table[base + tok, rank_path[node, d]]``, so a node of
 depth d does d dependent gathers (at most MAX_DEPTH = 16), all of them hitting rows its
 ancestors read too (L1/L2 hits after the first). The same launch can also write the tree's
-position ids, ``positions[b, node] = prefix_len[b] + depth[node]``.
+position ids, ``positions[b, node] = prefix_len[b] + depth[node]``, and, given the successors'
+probabilities ``probs`` [R, k] float16, each node's ``conf[b, node] = probs[row, rank]`` at its
+last gather (float32, 1 at the root).
 
 Token ids in the table must lie in ``0..V-1`` of their matrix: the reference raises on an
 out-of-range row, the kernel does not check (a corrupt table reads out of bounds).
@@ -52,15 +54,22 @@ def draft_tree_reference(
     level_starts: tuple[int, ...],
     row_base: torch.Tensor | None = None,
     overlay: "Overlay | None" = None,
-) -> torch.Tensor:
+    probs: torch.Tensor | None = None,
+):
     """PyTorch reference.
 
     table [R, k] int32; roots [B] int; parent, rank [N+1] int64 (breadth-first, root first);
-    row_base [B] int64 or None; overlay or None.
-    Returns tokens [B, N+1] int32 with tokens[:, 0] = roots.
+    row_base [B] int64 or None; overlay or None; probs [R, k] float16 or None (the
+    successors' probabilities, ``AdjacencyMatrix.probs``).
+    Returns tokens [B, N+1] int32 with tokens[:, 0] = roots; with probs, ``(tokens, conf)``:
+    conf [B, N+1] float32, each node's probability under the row that drafted it,
+    ``probs[row(parent), rank[node]]`` (1 at the root).
     """
     tokens = torch.empty((roots.shape[0], parent.shape[0]), dtype=torch.int32, device=table.device)
     tokens[:, 0] = roots
+    conf = None
+    if probs is not None:
+        conf = torch.ones(tokens.shape, dtype=torch.float32, device=table.device)
     base = 0 if row_base is None else row_base[:, None]
     for d in range(1, len(level_starts) - 1):  # one gather per level, never per node
         s, e = level_starts[d], level_starts[d + 1]
@@ -69,7 +78,9 @@ def draft_tree_reference(
         if overlay is not None:
             rows = _overlay_rows(overlay, prev, rows)
         tokens[:, s:e] = table[rows, rank[s:e]]
-    return tokens
+        if conf is not None:
+            conf[:, s:e] = probs[rows, rank[s:e]].float()
+    return tokens if conf is None else (tokens, conf)
 
 
 def _overlay_rows(overlay: "Overlay", tok: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -80,12 +91,13 @@ def _overlay_rows(overlay: "Overlay", tok: torch.Tensor, rows: torch.Tensor) -> 
 
 def _draft_tree_kernel(
     table_ptr, roots_ptr, base_ptr, prefix_ptr, rank_path_ptr, depth_ptr, out_ptr, pos_ptr,
-    keys_ptr, key_base_ptr,
+    keys_ptr, key_base_ptr, probs_ptr, conf_ptr,
     num_nodes, overlay_offset,
     stride_table, stride_roots, stride_base, stride_prefix, stride_rank_path,
     stride_out_b, stride_out_n, stride_pos_b, stride_pos_n, stride_key_base,
+    stride_probs, stride_conf_b, stride_conf_n,
     DEPTH: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BASE: tl.constexpr, HAS_POS: tl.constexpr,
-    HAS_OVERLAY: tl.constexpr, OVERLAY_SIZE: tl.constexpr,
+    HAS_OVERLAY: tl.constexpr, OVERLAY_SIZE: tl.constexpr, HAS_PROBS: tl.constexpr,
 ):
     """Grid (B, cdiv(N+1, BLOCK_N)): program (b, j) computes nodes j*BLOCK_N ... of request b."""
     b = tl.program_id(0).to(tl.int64)
@@ -100,6 +112,7 @@ def _draft_tree_kernel(
     if HAS_OVERLAY:
         key_base = tl.load(key_base_ptr + b * stride_key_base).to(tl.int64)
     tok = tl.zeros([BLOCK_N], dtype=tl.int64) + root
+    conf = tl.full([BLOCK_N], 1.0, tl.float32)  # the root's
     for d in tl.static_range(DEPTH):
         step = live & (depth > d)
         r = tl.load(rank_path_ptr + nodes * stride_rank_path + d, mask=step, other=0)
@@ -110,7 +123,13 @@ def _draft_tree_kernel(
             row = tl.where(key == tok, overlay_offset + entry, row)
         nxt = tl.load(table_ptr + row * stride_table + r, mask=step, other=0)
         tok = tl.where(step, nxt.to(tl.int64), tok)
+        if HAS_PROBS:
+            final = step & (depth == d + 1)  # the node's own gather, from its parent's row
+            p = tl.load(probs_ptr + row * stride_probs + r, mask=final, other=1.0)
+            conf = tl.where(final, p.to(tl.float32), conf)
     tl.store(out_ptr + b * stride_out_b + nodes * stride_out_n, tok.to(tl.int32), mask=live)
+    if HAS_PROBS:
+        tl.store(conf_ptr + b * stride_conf_b + nodes * stride_conf_n, conf, mask=live)
     if HAS_POS:
         prefix = tl.load(prefix_ptr + b * stride_prefix).to(tl.int64)
         tl.store(pos_ptr + b * stride_pos_b + nodes * stride_pos_n, prefix + depth.to(tl.int64), mask=live)
@@ -138,14 +157,19 @@ def draft_tree_triton(
     block_n: int | None = None,
     num_warps: int = 4,
     overlay: Overlay | None = None,
+    probs: torch.Tensor | None = None,
+    conf_out: torch.Tensor | None = None,
 ):
     """Triton launcher: the whole batch in one launch, no host-device sync.
 
     table [R, k] int32; roots [B] int; rank_path [N+1, D] int (-1 padded) and depth [N+1] int,
     on the table's device; row_base [B] int or None; prefix_len [B] int or None; overlay or None
-    (its keys int32 and key_base [B] int on the table's device).
-    Returns tokens [B, N+1] int32 (written into ``out`` when given), or ``(tokens, positions)``
-    with positions [B, N+1] int64 when prefix_len is given (into ``positions_out`` when given).
+    (its keys int32 and key_base [B] int on the table's device); probs [R, k] float16 (the
+    table's shape, unit column stride) or None.
+    Returns tokens [B, N+1] int32 (written into ``out`` when given), then positions [B, N+1]
+    int64 when prefix_len is given (into ``positions_out`` when given), then conf [B, N+1]
+    float32 when probs is given (into ``conf_out`` when given; see ``draft_tree_reference``):
+    a tuple when more than tokens.
     prefix_len, out and positions_out are not used by the plugin yet: they are for a GPU path
     with persistent buffers.
     """
@@ -163,6 +187,15 @@ def draft_tree_triton(
     positions = None
     if prefix_len is not None:
         positions = _check_out(positions_out, (batch, n1), torch.int64, device, "positions_out")
+    conf = None
+    if probs is not None:
+        if (tuple(probs.shape) != tuple(table.shape) or probs.dtype != torch.float16
+                or probs.device != device or probs.stride(1) != 1):
+            raise ValueError(
+                f"probs: expected float16 {tuple(table.shape)} with unit column stride on {device}, "
+                f"got {probs.dtype} {tuple(probs.shape)} strides {probs.stride()} on {probs.device}"
+            )
+        conf = _check_out(conf_out, (batch, n1), torch.float32, device, "conf_out")
     key_base = None if overlay is None else overlay.key_base
     if overlay is not None and (overlay.keys.dtype != torch.int32 or overlay.keys.device != device
                                 or overlay.size < 1 or overlay.size & (overlay.size - 1)):
@@ -184,6 +217,8 @@ def draft_tree_triton(
             positions if positions is not None else tokens,
             overlay.keys if overlay is not None else tokens,
             key_base if key_base is not None else roots,
+            probs if probs is not None else table,
+            conf if conf is not None else tokens,
             n1, overlay.offset if overlay is not None else 0,
             table.stride(0), roots.stride(0),
             row_base.stride(0) if row_base is not None else 0,
@@ -193,12 +228,17 @@ def draft_tree_triton(
             positions.stride(0) if positions is not None else 0,
             positions.stride(1) if positions is not None else 0,
             key_base.stride(0) if key_base is not None else 0,
+            probs.stride(0) if probs is not None else 0,
+            conf.stride(0) if conf is not None else 0,
+            conf.stride(1) if conf is not None else 0,
             DEPTH=rank_path.shape[1], BLOCK_N=block_n,
             HAS_BASE=row_base is not None, HAS_POS=positions is not None,
             HAS_OVERLAY=overlay is not None, OVERLAY_SIZE=overlay.size if overlay is not None else 1,
+            HAS_PROBS=probs is not None,
             num_warps=num_warps,
         )
-    return tokens if positions is None else (tokens, positions)
+    outputs = [t for t in (tokens, positions, conf) if t is not None]
+    return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
 
 def draft_tree(
@@ -211,29 +251,41 @@ def draft_tree(
     out: torch.Tensor | None = None,
     positions_out: torch.Tensor | None = None,
     overlay: Overlay | None = None,
+    probs: torch.Tensor | None = None,
+    conf_out: torch.Tensor | None = None,
 ):
     """Build the batch's draft trees: Triton when usable (``kernels.triton_usable``), else the
     reference.
 
     tree: a ``TreeTemplate`` (its parent, rank, level_starts, rank_path and depth), ideally on the
-    table's device; the other arguments and the return value as in ``draft_tree_triton``.
+    table's device; probs [R, k] float16: the successors' probabilities, to also return each
+    node's (conf [B, N+1] float32, into ``conf_out`` when given; see ``draft_tree_reference``).
+    Returns tokens, then positions when prefix_len is given, then conf when probs is given
+    (a tuple when more than tokens).
     """
-    tensors = [t for t in (table, roots, row_base, prefix_len, out, positions_out) if t is not None]
+    tensors = [t for t in (table, roots, row_base, prefix_len, out, positions_out, probs, conf_out)
+               if t is not None]
     if overlay is not None:
         tensors += [overlay.keys, overlay.key_base]
     if triton_usable(*tensors):
         return draft_tree_triton(
             table, roots, tree.rank_path, tree.depth, row_base, prefix_len, out, positions_out,
-            overlay=overlay,
+            overlay=overlay, probs=probs, conf_out=conf_out,
         )
-    tokens = draft_tree_reference(
-        table, roots, tree.parent, tree.rank, tree.level_starts, row_base, overlay
+    result = draft_tree_reference(
+        table, roots, tree.parent, tree.rank, tree.level_starts, row_base, overlay, probs
     )
+    tokens, conf = result if probs is not None else (result, None)
     if out is not None:
         tokens = _check_out(out, tokens.shape, torch.int32, table.device, "out").copy_(tokens)
-    if prefix_len is None:
-        return tokens
-    positions = prefix_len.long()[:, None] + tree.depth.to(table.device)[None]
-    if positions_out is not None:
-        positions = _check_out(positions_out, positions.shape, torch.int64, table.device, "positions_out").copy_(positions)
-    return tokens, positions
+    if conf is not None and conf_out is not None:
+        conf = _check_out(conf_out, conf.shape, torch.float32, table.device, "conf_out").copy_(conf)
+    outputs = [tokens]
+    if prefix_len is not None:
+        positions = prefix_len.long()[:, None] + tree.depth.to(table.device)[None]
+        if positions_out is not None:
+            positions = _check_out(positions_out, positions.shape, torch.int64, table.device, "positions_out").copy_(positions)
+        outputs.append(positions)
+    if conf is not None:
+        outputs.append(conf)
+    return outputs[0] if len(outputs) == 1 else tuple(outputs)

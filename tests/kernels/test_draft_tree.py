@@ -170,6 +170,125 @@ def test_dispatcher_picks_triton_under_interpreter(interpreter, monkeypatch):
     assert torch.equal(out, want_tokens)
 
 
+def _probs_like(table, seed):
+    """Random fp16 probabilities [R, k], one distinct value per entry (so a wrong row or rank
+    shows), on the table's device."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(table.shape, generator=g).half().to(table.device)
+
+
+@pytest.mark.parametrize("spec", ["2.2.2", ONE_NODE, "tree16"])
+@pytest.mark.parametrize("slots", [1, 3], ids=["shared", "per_request"])
+@pytest.mark.parametrize("batch", [1, 5])
+def test_conf_matches_reference(device, spec, slots, batch):
+    """conf is a gather of fp16 values read as fp32: equal to the reference exactly."""
+    tree = _tree(spec, 8, device)
+    table, roots, base, prefix = _case(50, 8, batch, slots, device, seed=batch * 10 + slots)
+    probs = _probs_like(table, seed=batch)
+    want_tokens, want_conf = dt.draft_tree_reference(
+        table, roots, tree.parent, tree.rank, tree.level_starts, base, probs=probs
+    )
+    tokens, conf = dt.draft_tree_triton(table, roots, tree.rank_path, tree.depth, base, probs=probs)
+    assert conf.dtype == torch.float32 and conf.shape == (batch, tree.num_nodes + 1)
+    assert torch.equal(tokens, want_tokens) and torch.equal(conf, want_conf)
+    assert conf[:, 0].eq(1).all()
+    tokens, positions, conf = dt.draft_tree_triton(table, roots, tree.rank_path, tree.depth, base, prefix, probs=probs)
+    assert torch.equal(tokens, want_tokens) and torch.equal(conf, want_conf)
+    assert torch.equal(positions, prefix[:, None] + tree.depth[None])
+
+
+@pytest.mark.parametrize("spec", ["2.2.2", "tree16"])
+@pytest.mark.parametrize("batch", [1, 5])
+def test_conf_overlay_matches_reference(device, spec, batch):
+    """A node drafted from an overlay row takes that row's probability, not the shared one's."""
+    tree = _tree(spec, 8, device)
+    table, roots, overlay = _overlay_case(12, 8, batch, 3, 4, device, seed=batch)
+    probs = _probs_like(table, seed=batch + 100)
+    tokens, conf = dt.draft_tree_triton(table, roots, tree.rank_path, tree.depth, overlay=overlay, probs=probs)
+    want_tokens, want_conf = dt.draft_tree_reference(
+        table, roots, tree.parent, tree.rank, tree.level_starts, None, overlay, probs
+    )
+    assert torch.equal(tokens, want_tokens) and torch.equal(conf, want_conf)
+    _, plain = dt.draft_tree_reference(table, roots, tree.parent, tree.rank, tree.level_starts, probs=probs)
+    assert not torch.equal(plain, want_conf)
+
+
+def test_conf_by_hand(device):
+    """Per-request scope, nodes root, [0], [1], [0, 0] (the tree of
+    test_per_request_scope_reads_each_slot): each node's probability is probs[row(parent), rank]."""
+    tree = _tree([[0], [0, 0], [1]], 2, device)
+    vocab = 4
+    a = torch.tensor([[1, 3], [2, 0], [3, 1], [0, 2]], dtype=torch.int32)
+    b = torch.tensor([[3, 3], [0, 1], [1, 0], [2, 3]], dtype=torch.int32)
+    table = torch.cat([a, b]).to(device)
+    # probs[r, j] = (r + 1) / 16 + j / 256: exact in fp16, and names its row and rank
+    probs = ((torch.arange(8)[:, None] + 1) / 16 + torch.arange(2)[None] / 256).half().to(device)
+    roots = torch.tensor([0, 0, 3], device=device)
+    base = torch.tensor([0, vocab, vocab], device=device)
+    tokens, conf = dt.draft_tree_triton(table, roots, tree.rank_path, tree.depth, base, probs=probs)
+    assert tokens.tolist() == [[0, 1, 3, 2], [0, 3, 3, 2], [3, 2, 3, 1]]
+    p = lambda row, rank: (row + 1) / 16 + rank / 256  # noqa: E731
+    # request 0: [0] and [1] from row 0, [0, 0] from row 1 (token 1); request 1: rows 4 and
+    # 4 + 3; request 2: rows 4 + 3 and 4 + 2
+    want = [[1.0, p(0, 0), p(0, 1), p(1, 0)], [1.0, p(4, 0), p(4, 1), p(7, 0)], [1.0, p(7, 0), p(7, 1), p(6, 0)]]
+    assert conf.tolist() == want
+    got = dt.draft_tree_reference(table, roots, tree.parent, tree.rank, tree.level_starts, base, probs=probs)
+    assert got[1].tolist() == want
+
+
+def test_conf_buffers_and_bad_arguments(device):
+    # A strided persistent conf buffer, several node blocks; then rejected probs / conf_out.
+    tree = _tree("2.2.2", 8, device)
+    table, roots, base, prefix = _case(40, 8, 3, 2, device, seed=7)
+    probs = _probs_like(table, seed=7)
+    conf_full = torch.full((5, 100), -7.0, device=device)
+    conf_out = conf_full[1:4, : tree.num_nodes + 1]
+    got = dt.draft_tree_triton(table, roots, tree.rank_path, tree.depth, base, prefix, probs=probs,
+                               conf_out=conf_out, block_n=32)
+    assert len(got) == 3 and got[2].data_ptr() == conf_out.data_ptr()
+    _, want = dt.draft_tree_reference(table, roots, tree.parent, tree.rank, tree.level_starts, base, probs=probs)
+    assert torch.equal(conf_out, want)
+    assert conf_full[0].eq(-7).all() and conf_full[4].eq(-7).all() and conf_full[:, tree.num_nodes + 1 :].eq(-7).all()
+    args = (table, roots, tree.rank_path, tree.depth, base)
+    for bad in (torch.empty_like(conf_out, dtype=torch.float16), torch.empty((3, 2), device=device)):
+        with pytest.raises(ValueError, match="conf_out"):
+            dt.draft_tree_triton(*args, probs=probs, conf_out=bad)
+    for bad in (probs.float(), probs[:-1], probs.t().contiguous().t(), probs.to("meta")):
+        with pytest.raises(ValueError, match="probs: expected float16"):
+            dt.draft_tree_triton(*args, probs=bad)
+
+
+def test_conf_empty_batch(device):
+    tree = _tree("2.2.2", 8, device)
+    table, roots, _, _ = _case(20, 8, 0, 1, device, seed=0)
+    tokens, conf = dt.draft_tree_triton(table, roots, tree.rank_path, tree.depth, probs=_probs_like(table, 0))
+    assert tokens.shape == conf.shape == (0, tree.num_nodes + 1) and conf.dtype == torch.float32
+
+
+def test_conf_dispatcher_under_interpreter(interpreter, monkeypatch):
+    tree = _tree("2.2.2", 8, "cpu")
+    table, roots, base, prefix = _case(30, 8, 4, 2, "cpu", seed=3)
+    probs = _probs_like(table, seed=3)
+    calls = []
+    launcher = dt.draft_tree_triton
+    monkeypatch.setattr(dt, "draft_tree_triton", lambda *a, **kw: calls.append(1) or launcher(*a, **kw))
+    want_tokens, want_conf = dt.draft_tree_reference(
+        table, roots, tree.parent, tree.rank, tree.level_starts, base, probs=probs
+    )
+    want_positions = prefix[:, None] + tree.depth[None]
+    tokens, positions, conf = draft_tokens(table, roots, tree, base, prefix_len=prefix, probs=probs)
+    assert calls == [1]
+    assert torch.equal(tokens, want_tokens) and torch.equal(positions, want_positions) and torch.equal(conf, want_conf)
+    conf_out = torch.empty_like(want_conf)
+    tokens, conf = dt.draft_tree(table, roots, tree, base, probs=probs, conf_out=conf_out)
+    assert calls == [1, 1] and conf.data_ptr() == conf_out.data_ptr() and torch.equal(conf, want_conf)
+    # the reference path returns the same values in the same order
+    monkeypatch.delenv("TRITON_INTERPRET")
+    tokens, positions, conf = draft_tokens(table, roots, tree, base, prefix_len=prefix, probs=probs)
+    assert calls == [1, 1]
+    assert torch.equal(tokens, want_tokens) and torch.equal(positions, want_positions) and torch.equal(conf, want_conf)
+
+
 @pytest.mark.gpu
 def test_cuda_large_batch_matches_reference():
     if not torch.cuda.is_available():

@@ -3,6 +3,8 @@ CUDA): the same argmax, the same ordered top-k, the same table after the scatter
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -13,18 +15,32 @@ from vllm_recycling.matrix import AdjacencyMatrix
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-def _check(logits, rows, table, **kw):
-    """Run kernel and reference on copies of table; compare argmax, table and every row's top-k."""
+def _check(logits, rows, table, with_probs=False, **kw):
+    """Run kernel and reference on copies of table; compare argmax, table and every row's top-k.
+
+    with_probs: also pass both probability buffers (sentinel-filled, so untouched rows count)
+    and compare them within fp16 rounding (kernel and reference round slightly different fp32
+    values); returns (table, probs, probs_out) then.
+    """
     k = table.shape[1]
     got_table, want_table = table.clone(), table.clone()
     topk = torch.full((logits.shape[0], k), -5, dtype=torch.int32, device=logits.device)
-    argmax = tu.topk_update_triton(logits, rows, got_table, topk_out=topk, **kw)
-    want_argmax = tu.topk_update_reference(logits, rows.long(), want_table)  # the reference takes int64 rows
+    got, want = {}, {}
+    if with_probs:
+        for bufs in (got, want):
+            bufs["probs"] = torch.full(table.shape, -1.0, dtype=torch.float16, device=logits.device)
+            bufs["probs_out"] = torch.full((logits.shape[0], k), -1.0, dtype=torch.float16, device=logits.device)
+    argmax = tu.topk_update_triton(logits, rows, got_table, topk_out=topk, **got, **kw)
+    want_argmax = tu.topk_update_reference(logits, rows.long(), want_table, **want)  # the reference takes int64 rows
     assert argmax.dtype == torch.int64
     assert torch.equal(argmax, want_argmax)
     assert torch.equal(topk.long(), tu.topk_lowest_id_first(logits, k))
     assert torch.equal(got_table, want_table)
-    return got_table
+    if not with_probs:
+        return got_table
+    torch.testing.assert_close(got["probs_out"], want["probs_out"], atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(got["probs"], want["probs"], atol=1e-3, rtol=1e-3)
+    return got_table, got["probs"], got["probs_out"]
 
 
 def _logits(rows, vocab, dtype, device, seed, ties=False):
@@ -153,6 +169,148 @@ def test_dispatcher_picks_triton_under_interpreter(interpreter, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     assert not triton_usable(logits, m.table)
     assert torch.equal(m.update(tokens, logits), argmax) and calls == [1]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("k", [1, 8])
+def test_probs_random_rows(device, dtype, k):
+    # Partial last chunk, repeated rows (the last t's probabilities win), a row whose maximum
+    # grows chunk after chunk (the running sum is rescaled each time) and one that falls.
+    vocab = 100
+    logits = _logits(6, vocab, dtype, device, seed=20 + k).float()
+    logits[1] += torch.arange(vocab, device=device) * 0.2
+    logits[4] -= torch.arange(vocab, device=device) * 0.2
+    rows = torch.tensor([5, 99, 5, 0, 42, 99], device=device)
+    table = torch.zeros((vocab, k), dtype=torch.int32, device=device)
+    _check(logits.to(dtype), rows, table, with_probs=True, block_v=32)
+
+
+@pytest.mark.parametrize("splits", [2, 3, 5])
+def test_probs_split_rows_merge(device, splits):
+    # Each split publishes its (max, sum) and the merging split combines them: ties across split
+    # boundaries, a row that is -inf in all splits but one (their sums are 0, their max -inf).
+    vocab, k = 37, 8
+    logits = torch.cat([
+        _logits(2, vocab, torch.float32, device, seed=splits, ties=True),
+        _logits(2, vocab, torch.float32, device, seed=splits + 1),
+        torch.full((1, vocab), float("-inf"), device=device),
+    ])
+    logits[4, [30, 33]] = torch.tensor([1.0, 2.0], device=device)
+    rows = torch.tensor([1, 2, 1, 36, 0], device=device)
+    for dtype in DTYPES:
+        _check(logits.to(dtype), rows, torch.zeros((vocab, k), dtype=torch.int32, device=device),
+               with_probs=True, block_v=8, splits=splits)
+    _, probs, _ = _check(logits, rows, torch.zeros((vocab, 16), dtype=torch.int32, device=device),
+                         with_probs=True, block_v=4, splits=splits)
+    assert probs[0, 2:].eq(0).all()  # the -inf tokens of the last row
+
+
+def test_probs_by_hand(device):
+    # softmax([0, ln 3]) = (0.25, 0.75): exact in fp16 from fp32 and fp16 logits; -inf tokens get
+    # 0; a uniform row over V = 4096 gives 2**-12 for every kept token, with or without splits.
+    for dtype in (torch.float32, torch.float16):
+        logits = torch.tensor([[0.0, math.log(3.0)]], dtype=dtype, device=device)
+        probs = torch.full((3, 2), -1.0, dtype=torch.float16, device=device)
+        probs_out = torch.full((1, 2), -1.0, dtype=torch.float16, device=device)
+        table = torch.zeros((3, 2), dtype=torch.int32, device=device)
+        tu.topk_update_triton(logits, torch.tensor([2], device=device), table, probs=probs, probs_out=probs_out)
+        assert table[2].tolist() == [1, 0]
+        assert probs.tolist() == [[-1.0, -1.0], [-1.0, -1.0], [0.75, 0.25]]
+        assert probs_out.tolist() == [[0.75, 0.25]]
+    # each buffer on its own (k = 1)
+    row, table = torch.tensor([1], device=device), torch.zeros((3, 1), dtype=torch.int32, device=device)
+    probs = torch.zeros((3, 1), dtype=torch.float16, device=device)
+    tu.topk_update_triton(logits, row, table, probs=probs)
+    assert probs[:, 0].tolist() == [0.0, 0.75, 0.0]
+    probs_out = torch.zeros((1, 1), dtype=torch.float16, device=device)
+    tu.topk_update_triton(logits, row, table, probs_out=probs_out)
+    assert probs_out.tolist() == [[0.75]]
+    logits = torch.full((2, 4096), float("-inf"), device=device)
+    logits[0] = 0.0
+    logits[1, [7, 4000]] = 3.5
+    for splits in (1, 4):
+        _, probs, probs_out = _check(logits, torch.tensor([0, 1], device=device),
+                                     torch.zeros((2, 4), dtype=torch.int32, device=device),
+                                     with_probs=True, block_v=512, splits=splits)
+        assert probs_out[0].eq(2.0**-12).all() and probs_out[1].tolist() == [0.5, 0.5, 0.0, 0.0]
+
+
+def test_probs_fp16_logits_large_vocab(device):
+    # V = 4096 fp16 logits in 256-wide chunks (16 per row) and in a single chunk (the default).
+    logits = _logits(3, 4096, torch.float16, device, seed=31)
+    rows = torch.tensor([7, 3, 7], device=device)
+    table = torch.zeros((8, 4), dtype=torch.int32, device=device)
+    _check(logits, rows, table, with_probs=True, block_v=256)
+    _check(logits, rows, table, with_probs=True)
+
+
+def test_probs_duplicates_last_wins(device):
+    # Token 1 at three nodes: its probabilities come from the last, row 4 of the logits.
+    logits = _logits(6, 16, torch.float32, device, seed=12)
+    rows = torch.tensor([1, 2, 1, 3, 1, 0], device=device)
+    table, probs, probs_out = _check(logits, rows, torch.zeros((16, 4), dtype=torch.int32, device=device),
+                                     with_probs=True, block_t=2)
+    want = torch.softmax(logits[4], -1)[table[1].long()]
+    torch.testing.assert_close(probs[1], want.half(), atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(probs_out[4], want.half(), atol=1e-3, rtol=1e-3)
+    assert probs[4:].eq(-1).all()  # rows no node holds are left alone
+    # many duplicates, more than one block of the duplicate scan
+    logits = _logits(40, 16, torch.bfloat16, device, seed=6)
+    rows = torch.randint(0, 3, (40,), generator=torch.Generator().manual_seed(6)).to(device)
+    _check(logits, rows, torch.zeros((16, 4), dtype=torch.int32, device=device), with_probs=True, block_t=8)
+
+
+def test_probs_bad_arguments_raise(device):
+    logits = torch.zeros((2, 4), device=device)
+    rows = torch.zeros(2, dtype=torch.int64, device=device)
+    table = torch.zeros((4, 2), dtype=torch.int32, device=device)
+    half = dict(dtype=torch.float16, device=device)
+    with pytest.raises(ValueError, match="probs: expected float16"):
+        tu.topk_update_triton(logits, rows, table, probs=torch.zeros((4, 2), device=device))
+    with pytest.raises(ValueError, match="probs: expected float16"):
+        tu.topk_update_triton(logits, rows, table, probs=torch.zeros((3, 2), **half))
+    with pytest.raises(ValueError, match="probs: expected float16"):
+        tu.topk_update_triton(logits, rows, table, probs=torch.zeros((2, 4), **half).t())
+    with pytest.raises(ValueError, match="probs: expected float16"):
+        tu.topk_update_triton(logits, rows, table, probs=torch.zeros((4, 2), dtype=torch.float16, device="meta"))
+    with pytest.raises(ValueError, match="probs_out: expected float16"):
+        tu.topk_update_triton(logits, rows, table, probs_out=torch.zeros((4, 2), **half))
+    with pytest.raises(ValueError, match="probs_out: expected float16"):
+        tu.topk_update_triton(logits, rows, table, probs_out=torch.zeros((2, 2), dtype=torch.bfloat16, device=device))
+    with pytest.raises(ValueError, match="probs_out: expected float16"):
+        tu.topk_update_triton(logits, rows, table, probs_out=torch.zeros((2, 4), **half)[:, ::2])
+
+
+def test_probs_dispatcher_under_interpreter(interpreter, monkeypatch):
+    calls = []
+    launcher = tu.topk_update_triton
+    monkeypatch.setattr(tu, "topk_update_triton", lambda *a, **kw: calls.append(1) or launcher(*a, **kw))
+    logits = _logits(6, 20, torch.bfloat16, "cpu", seed=9)
+    rows = torch.tensor([3, 19, 3, 0, 3, 7])
+    got = [torch.zeros((20, 4), dtype=torch.int32), torch.zeros((20, 4), dtype=torch.float16),
+           torch.zeros((6, 4), dtype=torch.float16)]
+    want = [t.clone() for t in got]
+    argmax = tu.topk_update(logits, rows, got[0], probs=got[1], probs_out=got[2])
+    assert calls == [1]
+    assert torch.equal(argmax, tu.topk_update_reference(logits, rows, *want[:1], probs=want[1], probs_out=want[2]))
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1:], want[1:], atol=1e-3, rtol=1e-3)
+    # fp32 probabilities are not a kernel buffer: the reference runs
+    probs32 = torch.zeros((20, 4))
+    tu.topk_update(logits, rows, got[0], probs=probs32)
+    assert calls == [1]
+    torch.testing.assert_close(probs32.half(), want[1], atol=1e-3, rtol=1e-3)
+
+
+def test_probs_programs_in_reverse_order(reversed_programs):
+    # Duplicates resolved by the kernel, not by the order of the programs; with splits another
+    # split of each row merges the (max, sum) pairs.
+    rows = torch.tensor([4, 1, 4, 4, 0, 1, 2, 4])
+    logits = _logits(8, 37, torch.float16, "cpu", seed=8)
+    _, probs, _ = _check(logits, rows, torch.zeros((37, 3), dtype=torch.int32), with_probs=True)
+    want = torch.softmax(logits[7].float(), -1)
+    torch.testing.assert_close(probs[4], want[tu.topk_lowest_id_first(logits[7:], 3)[0]].half(), atol=1e-3, rtol=1e-3)
+    _check(logits, rows, torch.zeros((37, 3), dtype=torch.int32), with_probs=True, block_v=8, splits=3, block_t=2)
 
 
 @pytest.mark.gpu

@@ -94,7 +94,7 @@ def test_tree_attention_groups_requests_by_prefix_length(layout, monkeypatch):
     torch.manual_seed(1)
     heads, kv_heads, dim = 6, 2, 4
     prefixes = [9, 1, 70, 4, 40, 2, 35]
-    drafts = [5, 3, 5, 1, 4, 5, 2]
+    drafts = [5, 3, 5, 2, 4, 5, 2]
     qsl = np.concatenate([[0], np.cumsum(np.array(drafts) + 1)])
     step = plan(layout, drafts, qsl, prefixes)
     # below 32 tokens (2 groups: at most 3 each), 32..63, 64..127
@@ -145,15 +145,64 @@ def test_choose_paths(layout):
 
 
 def test_choose_paths_reads_only_the_rows_of_a_cut_tree(layout):
-    # The scheduler's token budget cut the last request to root + a (2 rows), so the logits
-    # end at its row 1. Unscheduled nodes' parents (c: a, e: c) must not be looked up past it
+    # The scheduler's token budget cut the last request to root + a + b (3 rows), so the logits
+    # end at its row 2. Unscheduled nodes' parents (c, d: a) must not be looked up past it
     # (an engine crashed on this at 64 concurrent requests: index 2049 in 2048 logits rows).
-    tokens = torch.tensor([9, 1, 2, 3, 4, 5, 9, 1])
-    logits = torch.zeros(8, 10)
+    tokens = torch.tensor([9, 1, 2, 3, 4, 5, 9, 1, 2])
+    logits = torch.zeros(9, 10)
     logits[6, 1] = 1.0
-    step = plan(layout, [5, 1], [0, 6, 8], [20, 30])
+    step = plan(layout, [5, 2], [0, 6, 9], [20, 30])
     path = choose_paths(step, logits, tokens, torch.tensor([0, 6]))
     assert path.tolist() == [[1, 3, 5], [1, -1, -1]]
+
+
+def test_chains_need_no_tree(layout):
+    # root + a, and root + a + c: one node per depth, so vLLM's causal layout is already right
+    chains = [None, None, np.array([1, 3])]
+    assert TreeStep.plan(
+        layout, np.array([1, 0, 2]), np.array([0, 2, 3, 6]), np.array([5, 6, 7]), "cpu", chains
+    ) is None
+    nodes = [np.array([1, 3, 5]), None]
+    step = TreeStep.plan(layout, np.array([3, 2]), np.array([0, 4, 7]), np.array([5, 6]), "cpu", nodes)
+    assert step.req_index.tolist() == [1]  # request 0's a, c, e is a chain too
+
+
+def test_plan_subtree_of_the_template(layout):
+    # request 1 was sent a, b, d (template nodes 1, 2, 4): not a prefix of the template
+    nodes = [None, np.array([1, 2, 4])]
+    step = TreeStep.plan(
+        layout, np.array([0, 3]), np.array([0, 2, 6]), np.array([0, 10]), "cpu", nodes
+    )
+    assert step.req_index.tolist() == [1] and step.num_rows.tolist() == [4]
+    assert step.parent.tolist() == [[0, 0, 0, 1]]
+    assert step.children[0, :, :2].tolist() == [[1, 2], [-1, 3], [-1, -1], [-1, -1]]
+    assert step.mask[0].tolist() == [
+        [True, False, False, False], [True, True, False, False],
+        [True, False, True, False], [True, True, False, True],
+    ]
+    assert step.position_offsets().tolist() == [0, 0, 0, 0, -1, -1]
+    # tokens: root 9, a=1, b=2, d=4. Under root b (2) wins; on a cut to a only it would be a
+    tokens = torch.tensor([7, 8, 9, 1, 2, 4])
+    logits = torch.zeros(6, 10)
+    logits[2, 1] = 1.0  # root prefers a
+    logits[3, 4] = 1.0  # a prefers d
+    path = choose_paths(step, logits, tokens, torch.tensor([2]))
+    assert path.tolist() == [[1, 3, -1]]  # local rows: a, then d
+    plan_ = ChainPlan.build(step, path, np.array([0, 3]), np.array([0, 2]), "cpu")
+    assert plan_.rows.tolist() == [0, 2, 3, 5] and plan_.num_draft_tokens == [0, 2]
+    sampled = torch.tensor([[5, -1, -1], [1, 4, 6]], dtype=torch.int32)
+    src, dst = plan_.compaction(step, sampled, torch.arange(100, 106))
+    assert src.tolist() == [103, 105] and dst.tolist() == [103, 104]  # d moves to depth 2
+
+
+def test_chain_plan_keeps_chain_requests_whole(layout):
+    # request 0 has a chain (a, c) and no tree; request 1 a tree with path b
+    nodes = [np.array([1, 3]), None]
+    step = TreeStep.plan(layout, np.array([2, 2]), np.array([0, 3, 6]), np.array([5, 9]), "cpu", nodes)
+    assert step.req_index.tolist() == [1]
+    plan_ = ChainPlan.build(step, torch.tensor([[2, -1, -1]]), np.array([2, 2]), np.array([0, 3]), "cpu")
+    assert plan_.num_draft_tokens == [2, 1]
+    assert plan_.rows.tolist() == [0, 1, 2, 3, 5]
 
 
 def test_chain_plan_and_compaction(layout):
@@ -162,7 +211,7 @@ def test_chain_plan_and_compaction(layout):
     step = plan(layout, [0, 5, 2], [0, 4, 10, 13], [0, 20, 30])
     path = torch.tensor([[1, 4, -1], [2, -1, -1]])
     logits_start = np.array([0, 1, 7])
-    plan_ = ChainPlan.build(step, path, 3, logits_start, "cpu")
+    plan_ = ChainPlan.build(step, path, np.array([0, 5, 2]), logits_start, "cpu")
     assert plan_.num_draft_tokens == [0, 2, 1]
     assert plan_.rows.tolist() == [0, 1, 2, 5, 7, 9]
     assert plan_.draft_rows.tolist() == [2, 5, 9]

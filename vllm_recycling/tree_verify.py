@@ -57,6 +57,8 @@ class TreeLayout:
     children: torch.Tensor
     depth_np: np.ndarray
     max_depth: int
+    parent_np: np.ndarray
+    children_np: np.ndarray
 
     @classmethod
     def from_template(cls, tree: TreeTemplate, device: torch.device | str) -> "TreeLayout":
@@ -76,6 +78,8 @@ class TreeLayout:
             children=children.to(device),
             depth_np=tree.depth.cpu().numpy().astype(np.int64),
             max_depth=tree.max_depth,
+            parent_np=parent.clamp(min=0).numpy().astype(np.int64),
+            children_np=children.numpy(),
         )
 
     @property
@@ -85,15 +89,22 @@ class TreeLayout:
 
 @dataclass
 class TreeStep:
-    """The tree rows of one step. R = requests with drafts, W = their widest tree (nodes + root).
+    """The tree rows of one step. R = requests with a branching tree, W = their widest tree
+    (nodes + root).
+
+    Each request's tree is any ancestor-closed subset of the template, in breadth-first
+    (template) order; local row j of a request holds template node ``nodes[r, j]``.
 
     req_index [R] int64: batch index of each tree request.
-    root_row [R] int64: input row of its root (node j is row root_row + j).
-    num_rows [R] int64: nodes + root scheduled for it (a prefix of the template).
+    root_row [R] int64: input row of its root (local node j is row root_row + j).
+    num_rows [R] int64: nodes + root scheduled for it.
     prefix_len [R] int64: tokens already in its KV cache (the root's position).
-    rows [R, W] int64: input row of node j (clamped inside the request where j >= num_rows).
+    rows [R, W] int64: input row of local node j (clamped inside the request where j >= num_rows).
     valid [R, W] bool: j < num_rows.
-    mask [R, W, W] bool: [r, i, j]: node j is node i or its ancestor, and both exist.
+    mask [R, W, W] bool: [r, i, j]: local node j is node i or its ancestor, and both exist.
+    parent [R, W] int64: local index of each node's parent (0 for the root and padding).
+    children [R, W, C] int64: local indices of each node's scheduled children, in rank order,
+        -1 padded.
     num_tokens: rows in the step (host int).
     groups: the requests cut into groups of similar prefix length (``_prefix_groups``), each
         an ``AttentionGroup`` padded only to its own longest prefix.
@@ -107,11 +118,14 @@ class TreeStep:
     rows: torch.Tensor
     valid: torch.Tensor
     mask: torch.Tensor
+    parent: torch.Tensor
+    children: torch.Tensor
     num_tokens: int
     # host copies, for the step's index arithmetic
     req_index_np: np.ndarray
     root_row_np: np.ndarray
     num_rows_np: np.ndarray
+    depth_np: np.ndarray  # [R, W] depth of each local node (0 on padding)
     groups: list["AttentionGroup"]
     slot_mapping: torch.Tensor | None = None  # this step's slots [>= num_tokens], set by the runner
 
@@ -123,33 +137,63 @@ class TreeStep:
         query_start_loc: np.ndarray,
         num_computed_tokens: np.ndarray,
         device: torch.device | str,
+        nodes: list[np.ndarray | None] | None = None,
     ) -> "TreeStep | None":
         """num_draft_tokens [B], query_start_loc [B+1], num_computed_tokens [B] (before this
-        step): the runner's host arrays. None when no request has drafts."""
+        step): the runner's host arrays. nodes: per request, the template node ids (root
+        excluded, breadth-first, ancestor-closed) of the drafts it was sent, or None for the
+        template's first nodes; the scheduler may have kept only the first num_draft_tokens of
+        them, which are ancestor-closed too. Requests whose drafts form a chain (one node per
+        depth) need no tree: vLLM's causal attention and positions are already right for them.
+        None when no request has a branching tree."""
         num_draft = np.asarray(num_draft_tokens, dtype=np.int64)
-        (req,) = np.nonzero(num_draft > 0)
-        if req.size == 0:
-            return None
-        if int(num_draft.max()) + 1 > layout.num_nodes:
+        if int(num_draft.max(initial=0)) + 1 > layout.num_nodes:
             raise ValueError(
                 f"a request has {int(num_draft.max())} drafts but the tree has "
                 f"{layout.num_nodes - 1} nodes"
             )
-        qsl = np.asarray(query_start_loc, dtype=np.int64)
+        (req,) = np.nonzero(num_draft > 0)
+        width = int(num_draft.max(initial=0)) + 1
+        node_np = np.zeros((req.size, width), dtype=np.int64)
+        j = np.arange(width)
+        for i, b in enumerate(req):  # host bookkeeping of the scheduled drafts, per request
+            n = int(num_draft[b])
+            mine = None if nodes is None else nodes[b]
+            node_np[i, 1 : n + 1] = np.arange(1, n + 1) if mine is None else mine[:n]
         num_rows = num_draft[req] + 1
+        valid_np = j[None, :] < num_rows[:, None]
+        depth_np = np.where(valid_np, layout.depth_np[node_np], 0)
+        branching = (depth_np != np.where(valid_np, j[None, :], 0)).any(axis=1)
+        req, node_np, num_rows = req[branching], node_np[branching], num_rows[branching]
+        valid_np, depth_np = valid_np[branching], depth_np[branching]
+        if req.size == 0:
+            return None
+        width = int(num_rows.max())
+        node_np, valid_np, depth_np, j = (
+            node_np[:, :width], valid_np[:, :width], depth_np[:, :width], j[:width]
+        )
+        node_np = np.where(valid_np, node_np, 0)
+        qsl = np.asarray(query_start_loc, dtype=np.int64)
         root_row = qsl[req + 1] - num_rows
         # Rows before the root (a request cannot be prefilling and drafting, but stay exact).
         prefix = np.asarray(num_computed_tokens, dtype=np.int64)[req] + (root_row - qsl[req])
-        width = int(num_rows.max())
-        j = np.arange(width)
-        valid_np = j[None, :] < num_rows[:, None]
         rows_np = root_row[:, None] + np.minimum(j[None, :], num_rows[:, None] - 1)
+        # local index of each template node in each request's tree (-1: not scheduled)
+        local = np.full((req.size, layout.num_nodes + 1), -1, dtype=np.int64)
+        r_idx = np.repeat(np.arange(req.size), width).reshape(req.size, width)
+        local[r_idx[valid_np], node_np[valid_np]] = j[None, :].repeat(req.size, 0)[valid_np]
+        parent_np = np.where(valid_np, local[r_idx, layout.parent_np[node_np]], 0)
+        kids = layout.children_np[node_np]  # [R, W, C] template ids, -1 padded
+        children_np = np.where(
+            (kids >= 0) & valid_np[:, :, None], local[r_idx[:, :, None], kids], -1
+        )
 
         t = lambda a, dtype=torch.int64: torch.from_numpy(np.ascontiguousarray(a)).to(  # noqa: E731
             device=device, dtype=dtype
         )
         valid = t(valid_np, torch.bool)
-        mask = layout.ancestors[:width, :width][None] & valid[:, :, None] & valid[:, None, :]
+        node = t(node_np)
+        mask = layout.ancestors[node[:, :, None], node[:, None, :]] & valid[:, :, None] & valid[:, None, :]
         step = cls(
             layout=layout,
             req_index=t(req),
@@ -159,10 +203,13 @@ class TreeStep:
             rows=t(rows_np),
             valid=valid,
             mask=mask,
+            parent=t(parent_np),
+            children=t(children_np),
             num_tokens=int(qsl[-1]),
             req_index_np=req,
             root_row_np=root_row,
             num_rows_np=num_rows,
+            depth_np=depth_np,
             groups=[],
         )
         step.group([(g, int(prefix[g].max())) for g in _prefix_groups(prefix)])
@@ -180,11 +227,11 @@ class TreeStep:
         """[num_tokens] int64 to add to vLLM's positions (prefix + j): depth(j) - j on tree
         rows, 0 elsewhere."""
         offsets = np.zeros(self.num_tokens, dtype=np.int64)
-        width = int(self.num_rows_np.max())
+        width = self.depth_np.shape[1]
         j = np.arange(width)
         valid = j[None, :] < self.num_rows_np[:, None]
         rows = self.root_row_np[:, None] + j[None, :]
-        offsets[rows[valid]] = np.broadcast_to(self.layout.depth_np[:width] - j, rows.shape)[valid]
+        offsets[rows[valid]] = (self.depth_np - j[None, :])[valid]
         return offsets
 
 
@@ -301,17 +348,18 @@ def choose_paths(
     tokens: torch.Tensor,
     logits_start: torch.Tensor,
 ) -> torch.Tensor:
-    """[R, D] int64: node indices of each tree request's path from the root (excluded) down to
-    a leaf of its scheduled tree, -1 padded. logits [rows, V] are vLLM's verification logits,
-    tokens [rows] the token fed at each logits row, logits_start [R] the logits row of each
-    request's root (node j is row logits_start + j). At each node the walk takes the child
-    whose token has the highest logit in the node's row; among equal logits the lower rank."""
+    """[R, D] int64: local node indices of each tree request's path from the root (excluded)
+    down to a leaf of its scheduled tree, -1 padded. logits [rows, V] are vLLM's verification
+    logits, tokens [rows] the token fed at each logits row, logits_start [R] the logits row of
+    each request's root (local node j is row logits_start + j). At each node the walk takes the
+    child whose token has the highest logit in the node's row; among equal logits the lower
+    rank."""
     layout = step.layout
     num_req, width = step.rows.shape
     j = torch.arange(width, device=logits.device)
-    last = step.num_rows[:, None] - 1  # a cut tree's unscheduled nodes read its last row
+    last = step.num_rows[:, None] - 1  # padding reads the request's last row
     node_rows = logits_start[:, None] + torch.minimum(j[None, :], last)
-    parent_rows = logits_start[:, None] + torch.minimum(layout.parent[:width][None, :], last)
+    parent_rows = logits_start[:, None] + step.parent
     node_tokens = tokens[node_rows].long()
     score = logits[parent_rows, node_tokens].float()  # [R, W]: node's logit under its parent
     score = torch.where(step.valid, score, float("-inf"))
@@ -319,11 +367,12 @@ def choose_paths(
     path = torch.full((num_req, layout.max_depth), -1, dtype=torch.int64, device=logits.device)
     current = torch.zeros(num_req, dtype=torch.int64, device=logits.device)
     alive = torch.ones(num_req, dtype=torch.bool, device=logits.device)
+    num_children = step.children.shape[2]
     for level in range(layout.max_depth):
-        cand = layout.children[current]  # [R, C]
-        cand_ok = (cand >= 0) & (cand < step.num_rows[:, None])
+        cand = step.children.gather(1, current[:, None, None].expand(-1, 1, num_children))[:, 0]
+        cand_ok = cand >= 0
         cand_score = torch.where(
-            cand_ok, score.gather(1, cand.clamp(min=0, max=width - 1)), float("-inf")
+            cand_ok, score.gather(1, cand.clamp(min=0)), float("-inf")
         )
         best_score, best = cand_score.max(dim=1)  # the first maximum: the lowest rank
         alive &= cand_ok.any(dim=1) & (best_score > float("-inf"))
@@ -359,14 +408,21 @@ class ChainPlan:
         cls,
         step: TreeStep,
         path: torch.Tensor,
-        batch_size: int,
+        num_draft_tokens: np.ndarray,
         logits_start_np: np.ndarray,
         device: torch.device | str,
     ) -> "ChainPlan":
-        """path from ``choose_paths``; logits_start_np [B]: each request's first logits row."""
+        """path from ``choose_paths``; num_draft_tokens [B]: each request's scheduled drafts
+        (a request with drafts outside ``step`` has a chain: its path is all of it);
+        logits_start_np [B]: each request's first logits row."""
         path_np = path.cpu().numpy()  # the one host read of the step's tree decision
-        full = np.full((batch_size, path_np.shape[1]), -1, dtype=np.int64)
-        full[step.req_index_np] = path_np
+        num_draft = np.asarray(num_draft_tokens, dtype=np.int64)
+        batch_size = num_draft.shape[0]
+        depth = max(path_np.shape[1], int(num_draft.max(initial=0)))
+        cols = np.arange(1, depth + 1)[None, :]
+        full = np.where(cols <= num_draft[:, None], cols, -1)
+        full[step.req_index_np] = -1
+        full[step.req_index_np, : path_np.shape[1]] = path_np
         lengths = (full >= 0).sum(axis=1)
         cand = np.concatenate([np.zeros((batch_size, 1), np.int64), full], axis=1)
         keep = np.concatenate([np.ones((batch_size, 1), bool), full >= 0], axis=1)

@@ -61,9 +61,11 @@ METHODS = {
     "ngram tuned": NGRAM_TUNED,
     "suffix": {"method": "suffix"},
 }
-for _tree in ("chain6", "tree16", "tree32", "2.2.2"):
-    _spec = {"method": "recycling", "verify": "chain"} if _tree == "chain6" else \
-        {"method": "recycling", "tree": _tree}
+# The default: budget "auto" over the default tree (each step verifies what pays off here).
+METHODS["recycling auto"] = {"method": "recycling"}
+for _tree in ("chain6", "tree16", "tree32", "2.2.2"):  # every node of the tree, every step
+    _spec = {"method": "recycling", "verify": "chain", "budget": "fixed"} if _tree == "chain6" else \
+        {"method": "recycling", "tree": _tree, "budget": "fixed"}
     METHODS[f"recycling {_tree} hot"] = _spec
     METHODS[f"recycling {_tree} cold"] = {**_spec, "matrix_scope": "per_request"}
 # Warmed on the questions outside the measured sample first (``run_method``).

@@ -90,13 +90,15 @@ def topk_lowest_id_first(logits: torch.Tensor, k: int) -> torch.Tensor:
     """Top-k token ids [T, k] int64 of logits [T, V], ordered by (logit desc, token id asc).
 
     torch.topk leaves the order of ties unspecified and a stable full sort costs ~50x more, so
-    take topk, put its k entries in (value desc, id asc) order, and redo only the rows where a
-    token outside the set ties the k-th value (there the lowest ids must win).
+    take the top k + 1, put the first k in (value desc, id asc) order, and redo only the rows
+    where a token outside the set may tie the k-th value (the (k+1)-th value equals it; there
+    the lowest ids must win). No second pass over the row.
     """
-    values, ids = torch.topk(logits, k, dim=-1)
-    ids = _order_by_value_then_id(logits, ids)
-    kth = values[:, -1:]
-    outside_tie = (logits == kth).sum(-1) > (values == kth).sum(-1)
+    wide = min(k + 1, logits.shape[-1])
+    values, ids = torch.topk(logits, wide, dim=-1)
+    kth = values[:, k - 1 : k]
+    outside_tie = values[:, k] == values[:, k - 1] if wide > k else torch.zeros_like(kth[:, 0], dtype=torch.bool)
+    ids = _order_by_value_then_id(logits, ids[:, :k])
     if outside_tie.any():
         rows = outside_tie.nonzero()[:, 0]
         sub, sub_kth = logits[rows], kth[rows]

@@ -34,10 +34,11 @@ def test_seeded_sample_and_held_out_split_every_category():
 
 def test_method_names():
     assert spec_bench.speculative_config("none") is None
+    assert spec_bench.speculative_config("recycling auto") == {"method": "recycling"}
     assert spec_bench.speculative_config("recycling 2.2.2 cold") == {
-        "method": "recycling", "tree": "2.2.2", "matrix_scope": "per_request"}
+        "method": "recycling", "tree": "2.2.2", "matrix_scope": "per_request", "budget": "fixed"}
     assert spec_bench.speculative_config("recycling chain6 hot") == {
-        "method": "recycling", "verify": "chain"}
+        "method": "recycling", "verify": "chain", "budget": "fixed"}
     assert spec_bench.speculative_config("recycling 2.2.2 warm") == spec_bench.METHODS["recycling 2.2.2 hot"]
     assert spec_bench.speculative_config("suffix warm") == {"method": "suffix"}
     assert spec_bench.speculative_config("ngram:k=4:min=1:max=3") == {

@@ -26,7 +26,7 @@ def test_defaults():
     config = parse()
     assert config == RecyclingConfig(
         tree=None, topk=8, matrix_scope="overlay", overlay_rows=4096, matrix_snapshot=None,
-        matrix_snapshot_interval=300.0, verify="tree", num_speculative_tokens=80,
+        matrix_snapshot_interval=300.0, verify="tree", num_speculative_tokens=80, budget="auto",
     )
     assert config.tree_template().name == "2.2.2" and config.tree_template().num_nodes == 80
     assert config.draft_template().name == "2.2.2" and config.draft_template().num_nodes == 80
@@ -90,6 +90,15 @@ def test_overlay_rows(value):
         overlay_rows=value,
     )
     assert parse(matrix_scope="overlay", overlay_rows=16).overlay_rows == 16
+
+
+@pytest.mark.parametrize("value", ["adaptive", "", None, "AUTO", 1])
+def test_budget(value):
+    refused(
+        f'speculative_config["budget"] = {value!r} is not valid: expected one of \'auto\', \'fixed\'',
+        budget=value,
+    )
+    assert parse(budget="fixed").budget == "fixed"
 
 
 @pytest.mark.parametrize("value", ["beam", "", None, "CHAIN"])
@@ -172,7 +181,7 @@ def test_unknown_key():
     refused(
         "speculative_config has unknown key(s) 'draft_model', 'top_k' for method 'recycling'; "
         "allowed keys: method, tree, topk, matrix_scope, overlay_rows, matrix_snapshot, "
-        "matrix_snapshot_interval, verify, num_speculative_tokens",
+        "matrix_snapshot_interval, verify, num_speculative_tokens, budget",
         top_k=8, draft_model="x",
     )
 

@@ -20,12 +20,14 @@ from engines import (  # noqa: E402
     spec_counters, token_ids,
 )
 
-RECYCLING = {"method": "recycling"}
+# The default configuration (overlay matrix, tree "2.2.2") with every node verified every step
+# (budget "fixed"): tree verification at its widest, on every step.
+RECYCLING = {"method": "recycling", "budget": "fixed"}
 
 
 @pytest.fixture(scope="module")
 def tiny_recycling(tiny_model):
-    """The default configuration (overlay matrix, tree "2.2.2"), kept for the whole module."""
+    """``RECYCLING``, kept for the whole module."""
     with engine(tiny_model, speculative_config=RECYCLING, disable_log_stats=False) as llm:
         yield llm
 
@@ -130,6 +132,16 @@ def test_aborted_request_leaves_the_others_exact(tiny_base, tiny_recycling):
 
 
 # -- other configurations ------------------------------------------------------------------------
+
+def test_auto_budget_greedy_identical(tiny_model, tiny_base):
+    """The default budget ("auto") sends each request a subset of the tree that changes from
+    step to step, none at all at times."""
+    with engine(tiny_model, speculative_config={"method": "recycling"}, disable_log_stats=False) as llm:
+        out = token_ids(llm.generate(TINY_PROMPTS, greedy(), use_tqdm=False))
+        counters = spec_counters(llm)
+    assert check_greedy_identity(tiny_base["greedy"], out)["near_ties"] == []
+    assert counters["drafts"] > 0 and counters["accepted"] > 0
+
 
 @pytest.mark.parametrize("scope,verify", [("per_request", "tree"), ("per_request", "chain"), ("shared", "tree")])
 def test_other_scopes_greedy_identical(tiny_model, tiny_base, scope, verify):

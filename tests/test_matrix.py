@@ -202,3 +202,26 @@ def test_overlay_snapshot_holds_the_shared_rows(tmp_path):
     m.update(torch.tensor([[5]]), _rows(16, [7]), m.slots(["a"]))
     m.save(tmp_path / "adj.safetensors")
     assert torch.equal(load_snapshot(tmp_path / "adj.safetensors", 16, 2), m.table[:16])
+
+
+def test_probabilities_beside_the_ids_shared_and_overlay():
+    """With probabilities, every written row also gets its successors' probabilities (the shared
+    row and the request's own entry), and drafting returns each node's."""
+    import math
+
+    from vllm_recycling.tree import compile_tree
+
+    m = AdjacencyMatrix(4, 2, scope="overlay", max_requests=2, overlay_rows=4, with_probs=True)
+    assert m.probs.shape == m.table.shape and m.probs.dtype == torch.float16 and not m.probs.any()
+    for r in ("a", "b"):
+        m.allocate(r)
+    # token 1 -> successors 3 (p 3/4), 0 (p 1/4) for a; token 1 -> 2 (p 1/2), 0 (1/4) for b
+    la = torch.tensor([[0.0, -math.inf, -math.inf, math.log(3)]])
+    lb = torch.tensor([[0.0, -math.inf, math.log(2), 0.0]])
+    m.update(torch.tensor([[1], [1]]), torch.cat([la, lb]), m.slots(["a", "b"]))
+    assert m.table[1].tolist() == [2, 0] and m.probs[1].tolist() == [0.5, 0.25]  # the last: b
+    tree = compile_tree([[0], [1]], topk=2)
+    tokens, conf = m.draft(torch.tensor([1, 1]), tree, m.slots(["a", "b"]), with_probs=True)
+    assert tokens.tolist() == [[1, 3, 0], [1, 2, 0]]
+    assert conf.tolist() == [[1.0, 0.75, 0.25], [1.0, 0.5, 0.25]]
+    assert AdjacencyMatrix(4, 2).probs is None  # not kept unless asked

@@ -122,15 +122,16 @@ def test_expand_batch_to_tokens_on_cpu_is_exact():
 # -- the proposer on its own (no engine) ---------------------------------------------------------
 
 def make_proposer(scope: str, max_num_seqs: int = 2, vocab_size: int = 16, snapshot=None,
-                  tree=None):
-    """A proposer with a top-4 matrix over 16 tokens: a 3-token chain, or the given tree."""
+                  tree=None, budget="fixed"):
+    """A proposer with a top-4 matrix over 16 tokens: a 3-token chain, or the given tree; every
+    node drafted every step unless budget="auto"."""
     from types import SimpleNamespace
 
     from vllm_recycling.config import RecyclingConfig
     from vllm_recycling.proposer import RecyclingProposer
 
     config = RecyclingConfig(
-        topk=4, matrix_scope=scope, matrix_snapshot=snapshot,
+        topk=4, matrix_scope=scope, matrix_snapshot=snapshot, budget=budget,
         **({"verify": "chain", "num_speculative_tokens": 3} if tree is None else {"tree": tree}),
     )
     return RecyclingProposer(SimpleNamespace(
@@ -167,6 +168,35 @@ def test_proposer_updates_from_every_row_then_drafts_the_chain():
     )
     # a: root 7 (row still zeros); b: root 5 -> 7 -> 0; partial prefill and full request: none
     assert drafts == [[0, 0, 0], [7, 0, 0], [], []]
+
+
+def test_proposer_auto_budget_sends_what_pays_and_learns_from_it():
+    """budget="auto": a confident successor is sent, unlikely ones are not; the next step's
+    outcome (accepted) is counted in the calibration, and the step's time in the cost model."""
+    import numpy as np
+    import torch
+
+    from vllm_recycling.budget import PRIOR_TRIALS, StepCost, confidence_bins
+
+    proposer = make_proposer("shared", tree=[[0], [1], [0, 0]], budget="auto")
+    proposer.cost = StepCost([1, 101], [1.0, 2.0])  # 10 ms per token on a 1 s step
+    proposer.calibration.table[:] = 0.0
+    proposer.calibration.table[-1] = 0.9  # only confidences above 0.88 get accepted
+    proposer.set_batch(["a"], lambda r: None)
+    # token 5 -> 7 with probability ~1; 7's row was never verified (probabilities 0)
+    proposer.observe_verification(["a"], {"a"}, torch.tensor([5]), verification_rows([7]), [0])
+    assert proposer.matrix.probs[5, 0] == 1.0 and proposer.matrix.probs[7].eq(0).all()
+    assert proposer.propose([[5]], np.array([10]), None) == [[7]]  # node 1 only
+    assert proposer.last_admission.num_admitted == 1 and proposer.last_admission.trees == 0
+    # next step: a chain of one draft (no tree step), accepted, then the bonus token 3
+    offsets = proposer.plan_step([1], np.array([0, 2]), np.array([11]), torch.arange(2))
+    assert offsets is None and proposer._step["decode_only"]
+    proposer.observe_verification(["a"], {"a"}, torch.tensor([5, 7]), verification_rows([7, 3]), [1])
+    trials = proposer.calibration.trials.copy()
+    proposer.propose([[7, 3]], np.array([12]), None)
+    top = int(confidence_bins(np.array([1.0]))[0])
+    assert proposer.calibration.trials[top] == trials[top] + 1 == PRIOR_TRIALS + 1
+    assert proposer.cost.observed == 1
 
 
 def test_proposer_per_request_matrices():
@@ -246,7 +276,7 @@ def test_engine_config(tiny_model):
     assert config.additional_config["recycling"] == {
         "tree": None, "topk": 4, "matrix_scope": "overlay", "overlay_rows": 4096, "matrix_snapshot": None,
         "matrix_snapshot_interval": 300.0,
-        "verify": "chain", "num_speculative_tokens": 3,
+        "verify": "chain", "num_speculative_tokens": 3, "budget": "auto",
     }
     assert config.scheduler_config.async_scheduling is False
     assert config.use_v2_model_runner is False
@@ -260,7 +290,7 @@ def test_engine_config_tree_default(tiny_model):
     assert config.additional_config["recycling"] == {
         "tree": None, "topk": 8, "matrix_scope": "overlay", "overlay_rows": 4096, "matrix_snapshot": None,
         "matrix_snapshot_interval": 300.0,
-        "verify": "tree", "num_speculative_tokens": 80,
+        "verify": "tree", "num_speculative_tokens": 80, "budget": "auto",
     }
     spec = {"method": "recycling", "tree": "tree16"}
     config = EngineArgs(tiny_model, **ENGINE, speculative_config=spec).create_engine_config()

@@ -21,9 +21,10 @@ from engines import check_greedy_identity, engine, spec_counters, token_ids  # n
 NEW_TOKENS = 32
 MAX_SEQS = 8
 MODES = {  # mode -> (speculative_config, batch sizes it runs at)
-    "2.2.2": ({"method": "recycling"}, (1, 8)),  # the default: verify="tree", tree "2.2.2"
-    "tree16": ({"method": "recycling", "tree": "tree16"}, (8,)),
-    "chain6": ({"method": "recycling", "verify": "chain"}, (8,)),
+    "auto": ({"method": "recycling"}, (1, 8)),  # the default: budget "auto" over tree "2.2.2"
+    "2.2.2": ({"method": "recycling", "budget": "fixed"}, (1, 8)),  # every node, every step
+    "tree16": ({"method": "recycling", "tree": "tree16", "budget": "fixed"}, (8,)),
+    "chain6": ({"method": "recycling", "verify": "chain", "budget": "fixed"}, (8,)),
 }
 # vLLM's MAT against the reference decoder's: both run the same algorithm on the same outputs,
 # but where two siblings hold the same token vLLM takes the first and the reference the deepest.

@@ -32,6 +32,7 @@ from vllm_recycling.tree import (
 METHOD = "recycling"
 ADDITIONAL_CONFIG_KEY = "recycling"
 VERIFY_MODES = ("chain", "tree")
+BUDGETS = ("auto", "fixed")
 MAX_TOPK = 64
 DEFAULT_TOPK = 8
 DEFAULT_CHAIN_LENGTH = 6
@@ -70,6 +71,10 @@ class RecyclingConfig:
     num_speculative_tokens: tokens drafted per step. verify="tree": the first that many nodes
         of the template in breadth-first order (a smaller tree); None means all of them.
         verify="chain": the chain length (1..16); None means 6.
+    budget: "auto" (default): each step verifies only the drafted nodes worth their cost on
+        this hardware at this batch size (``vllm_recycling.budget``), from none (plain
+        decoding) to all of them; the template is the pool it picks from. "fixed": every node
+        of the template, every step.
     """
 
     tree: str | tuple[tuple[int, ...], ...] | None = None
@@ -80,6 +85,7 @@ class RecyclingConfig:
     matrix_snapshot_interval: float = 300.0
     verify: str = "tree"
     num_speculative_tokens: int | None = None
+    budget: str = "auto"
 
     def __post_init__(self) -> None:
         if not _is_int(self.topk) or not 1 <= self.topk <= MAX_TOPK:
@@ -116,6 +122,8 @@ class RecyclingConfig:
             )
         if self.verify not in VERIFY_MODES:
             raise _field_error("verify", self.verify, _one_of(VERIFY_MODES))
+        if self.budget not in BUDGETS:
+            raise _field_error("budget", self.budget, _one_of(BUDGETS))
         tree = self.tree
         if isinstance(tree, (list, tuple)):
             # Inline paths: tuples keep the dataclass hashable; compile_tree checks the content.

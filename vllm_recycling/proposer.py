@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+import zlib
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -32,6 +33,19 @@ import numpy as np
 import torch
 
 from vllm_recycling import cpu_kv
+from vllm_recycling.budget import (
+    SYNC_STEPS,
+    Calibration,
+    StepCost,
+    admit,
+    chain_nodes,
+    confidence_bins,
+    profile_sizes,
+)
+
+PROFILE_MAX_TOKENS = 512
+PROFILE_REPEATS = 3
+LOG_INTERVAL_S = 30.0
 from vllm_recycling.config import RecyclingConfig, RecyclingConfigError
 from vllm_recycling.matrix import AdjacencyMatrix
 from vllm_recycling.tree_verify import ACTIVE_STEP, ChainPlan, TreeLayout, TreeStep, choose_paths
@@ -57,6 +71,7 @@ class RecyclingProposer:
             device=device,
             initial=self.config.initial_matrix(vocab_size),
             overlay_rows=self.config.overlay_rows,
+            with_probs=self.config.budget == "auto",
         )
         # The request ids of the current step's batch, in batch order (per_request, overlay).
         self._batch_req_ids: list[str] = []
@@ -70,6 +85,25 @@ class RecyclingProposer:
         # Tree mode: per request of the current batch, True when it gets no drafts (set_batch).
         self._no_tree: list[bool] = []
         self._last_save = time.monotonic()
+        # budget="auto" (vllm_recycling.budget): what each request was sent, as template node
+        # ids (breadth-first) and their confidence bins, for the calibration to learn from.
+        self.auto = self.config.budget == "auto"
+        self.calibration = Calibration(device)
+        self.chain = chain_nodes(self.template.parent, self.template.rank).to(device)
+        self._parent = self.template.parent.clamp(min=0).to(device)
+        self._parent_np = self.template.parent.clamp(min=0).cpu().numpy()
+        # A flat prior until the start-up profile (patches.ProfileStepCost) replaces it.
+        self.cost = StepCost([1, 1 << 20], [0.0, 0.0])
+        self._sent: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._step: dict[str, Any] = {}  # this step: tokens, tree, drafts per request, paths
+        self._last_end: float | None = None
+        self._prev_batch: set[str] = set()
+        self._steps = 0
+        self._predicted = 0.0  # the decision's predicted seconds for the step it drafts for
+        self._stats = np.zeros(4)  # timed steps, measured s, predicted s, drafts (for the log)
+        self._last_log = time.perf_counter()
+        self.last_admission = None  # the last step's budget decision (benchmarks, tests)
+        self.decision_digest = 0  # a checksum of every decision so far (tensor-parallel ranks agree)
 
     # -- the snapshot ---------------------------------------------------------------------------
     def save_snapshot(self) -> None:
@@ -95,6 +129,33 @@ class RecyclingProposer:
         interval = self.config.matrix_snapshot_interval
         if interval > 0 and time.monotonic() - self._last_save >= interval:
             self.save_snapshot()
+
+    def profile_step_cost(self, run_tokens: Callable[[int], Any], max_tokens: int) -> None:
+        """budget="auto", at start-up: time ``run_tokens(n)`` (a forward pass of n tokens) for
+        the sizes of ``budget.profile_sizes`` up to min(max_tokens, PROFILE_MAX_TOKENS), the
+        median of PROFILE_REPEATS runs (one above 64 tokens), averaged over tensor-parallel
+        ranks so that all of them decide alike; the result is the cost model's profile."""
+        sizes = profile_sizes(max(2, min(max_tokens, PROFILE_MAX_TOKENS)))
+        started = time.perf_counter()
+        run_tokens(sizes[0])  # warm-up
+        seconds = []
+        for n in sizes:
+            runs = []
+            for _ in range(PROFILE_REPEATS if n <= 64 else 1):
+                t0 = time.perf_counter()
+                run_tokens(n)
+                runs.append(time.perf_counter() - t0)
+            seconds.append(float(np.median(runs)))
+        seconds = np.asarray(seconds)
+        mean = _tensor_parallel_mean()
+        if mean is not None:
+            seconds = mean(seconds)
+        self.cost = StepCost(sizes, seconds)
+        logger.info(
+            "recycling: step cost profiled in %.1f s: %s",
+            time.perf_counter() - started,
+            ", ".join(f"{n} tokens {1e3 * t:.1f} ms" for n, t in zip(sizes, seconds) if n in (1, 2, 4, 16, 64, sizes[-1])),
+        )
 
     def load_model(self, target_model) -> None:
         """Nothing to load: the target model verifies, the matrix drafts. (The CPU runner calls
@@ -159,6 +220,8 @@ class RecyclingProposer:
         draft chain (num_speculative_tokens ids), or [] where there is nothing to draft."""
         if self.config.matrix_snapshot is not None:
             self._maybe_save()
+        if self.auto:
+            self._learn_from_step(sampled_token_ids)
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         no_tree = self._no_tree or [False] * len(sampled_token_ids)
         active = [
@@ -173,10 +236,81 @@ class RecyclingProposer:
         slots = None
         if self.matrix.scope != "shared":
             slots = self.matrix.slots([self._batch_req_ids[i] for i in active])
-        chains = self.matrix.draft(roots, self.template, slots)[:, 1:].tolist()
-        for i, chain in zip(active, chains):
-            drafts[i] = chain
+        if not self.auto:
+            chains = self.matrix.draft(roots, self.template, slots)[:, 1:].tolist()
+            for i, chain in zip(active, chains):
+                drafts[i] = chain
+            return drafts
+        tokens, conf = self.matrix.draft(roots, self.template, slots, with_probs=True)
+        survival = self.calibration.survival(conf, self._parent, self.template.level_starts)
+        decision = admit(
+            survival[:, 1:], self.chain, num_decoding=sum(1 for x in sampled_token_ids if x),
+            base_tokens=len(sampled_token_ids), cost=self.cost,
+        )
+        self.last_admission = decision
+        self._predicted = decision.seconds
+        mask = decision.mask.cpu().numpy()
+        self.decision_digest = zlib.crc32(mask.tobytes(), self.decision_digest)
+        tokens_np = tokens[:, 1:].cpu().numpy()
+        bins = confidence_bins(conf[:, 1:].cpu().numpy())
+        for k, i in enumerate(active):  # vLLM takes one Python list of drafts per request
+            nodes = np.flatnonzero(mask[k])
+            if nodes.size:
+                drafts[i] = tokens_np[k, nodes].tolist()
+                self._sent[self._batch_req_ids[i]] = (nodes + 1, bins[k, nodes])
         return drafts
+
+    def _learn_from_step(self, sampled_token_ids: list[list[int]]) -> None:
+        """budget="auto": fold the step that just ended into the cost model (its measured
+        duration) and the calibration (which sent nodes were accepted), then forget what was
+        sent: ``propose`` sends new drafts."""
+        now = time.perf_counter()
+        step, self._step = self._step, {}
+        batch = set(self._batch_req_ids)
+        # A step right after one whose requests all ended may include idle time: not timed.
+        if self._last_end is not None and step.get("decode_only") and batch & self._prev_batch:
+            seconds = now - self._last_end
+            self.cost.observe(step["tokens"], step["trees"], seconds)
+            self._stats += np.array([1, seconds, self._predicted, step["tokens"] - len(batch)])
+        self._prev_batch = batch
+        self._steps += 1
+        # Every rank calls this at the same steps: at 1, 2, 4, ... 32, then every 32.
+        if self._steps % SYNC_STEPS == 0 or (self._steps < SYNC_STEPS and not self._steps & (self._steps - 1)):
+            self.cost.agree(_tensor_parallel_mean())
+        if now - self._last_log >= LOG_INTERVAL_S and self._stats[0] > 0:
+            n, measured, predicted, drafts = self._stats
+            a, b, c = self.cost.agreed
+            logger.info(
+                "recycling budget: %d decode steps, %.2f drafts per request per step; step %.1f ms "
+                "measured, %.1f ms predicted; residual fit %.1f ms + %.3f ms/token + %.1f ms/tree",
+                n, drafts / max(n * len(batch), 1), 1e3 * measured / n, 1e3 * predicted / n,
+                1e3 * a, 1e3 * b, 1e3 * c,
+            )
+            self._stats[:] = 0
+            self._last_log = now
+        num_draft = step.get("num_draft")
+        paths = step.get("paths", {})
+        if num_draft is not None:
+            trial_bins, hits = [], []
+            for i, req_id in enumerate(self._batch_req_ids):  # host bookkeeping of sent drafts
+                n = int(num_draft[i]) if i < len(num_draft) else 0
+                sent = self._sent.get(req_id)
+                if n == 0 or sent is None or i >= len(sampled_token_ids) or not sampled_token_ids[i]:
+                    continue
+                nodes, node_bins = sent[0][:n], sent[1][:n]
+                accepted = len(sampled_token_ids[i]) - 1
+                path = paths.get(i)
+                on_path = nodes[:accepted] if path is None else nodes[path[:accepted] - 1]
+                won = np.zeros(self.template.num_nodes + 1, dtype=bool)
+                won[0] = True
+                won[on_path] = True
+                tried = won[self._parent_np[nodes]]
+                trial_bins.append(node_bins[tried])
+                hits.append(won[nodes][tried])
+            if trial_bins:
+                self.calibration.observe(np.concatenate(trial_bins), np.concatenate(hits))
+        self._sent = {}
+        self._last_end = now
 
     # -- tree mode ---------------------------------------------------------------------------------
     def set_batch(self, req_ids: list[str], sampling_params: Callable[[str], Any]) -> None:
@@ -184,6 +318,7 @@ class RecyclingProposer:
         ``SamplingParams`` of a request id (None if unknown). ``propose`` then drafts nothing
         for a request with structured output: vLLM advances the grammar along the draft list as
         a chain (v1/structured_output/__init__.py:404-436), which is wrong for siblings."""
+        self._batch_req_ids = list(req_ids)
         self._no_tree = [
             getattr(sampling_params(req_id), "structured_outputs", None) is not None
             for req_id in req_ids
@@ -204,12 +339,25 @@ class RecyclingProposer:
         num_computed_tokens [B] (before this step): the runner's host values; slot_mapping
         [>= num_tokens] int64: this step's slots, read after verification to move the KV."""
         step = None
-        if num_draft_tokens is not None:
+        if num_draft_tokens is not None and self.layout is not None:
+            nodes = None
+            if self.auto:
+                nodes = [self._sent.get(r, (None,))[0] for r in self._batch_req_ids]
             step = TreeStep.plan(
                 self.layout, np.asarray(num_draft_tokens), query_start_loc, num_computed_tokens,
-                self.matrix.device,
+                self.matrix.device, nodes,
             )
         ACTIVE_STEP.step = step
+        num_tokens, num_reqs = int(query_start_loc[-1]), len(query_start_loc) - 1
+        drafted = 0 if num_draft_tokens is None else int(np.sum(num_draft_tokens))
+        self._step = {
+            "tokens": num_tokens,
+            # every request decodes (one token + its drafts): the steps the cost model fits;
+            # prefill chunks cost what the profile of decode steps does not say
+            "decode_only": num_tokens == num_reqs + drafted,
+            "trees": 0 if step is None else int(step.req_index_np.size),
+            "num_draft": None if num_draft_tokens is None else list(num_draft_tokens),
+        }
         if step is None:
             return None
         step.slot_mapping = slot_mapping
@@ -242,7 +390,11 @@ class RecyclingProposer:
         device = logits.device
         starts = torch.from_numpy(logits_start[step.req_index_np]).to(device)
         path = choose_paths(step, logits, tokens, starts)
-        plan = ChainPlan.build(step, path, len(num_draft), logits_start, device)
+        plan = ChainPlan.build(step, path, num_draft, logits_start, device)
+        if self._step:  # the local rows of each tree request's path, for the calibration
+            self._step["paths"] = {
+                int(b): plan.path_nodes[b][plan.path_nodes[b] >= 0] for b in step.req_index_np
+            }
         chain = SpecDecodeMetadata(
             draft_token_ids=tokens[plan.draft_rows],
             num_draft_tokens=plan.num_draft_tokens,
@@ -277,6 +429,26 @@ def _with_path_history(sampling, tokens: torch.Tensor, plan: ChainPlan):
     return replace(
         sampling, spec_token_ids=[path_tokens[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
     )
+
+
+def _tensor_parallel_mean():
+    """A function averaging a small host array over the tensor-parallel ranks (None in a single
+    process): what the ranks' cost models agree on."""
+    try:
+        from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group
+
+        if get_tensor_model_parallel_world_size() == 1:
+            return None
+        group = get_tp_group().cpu_group
+    except (AssertionError, ImportError, RuntimeError):
+        return None
+
+    def mean(values: np.ndarray) -> np.ndarray:
+        t = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float64))
+        torch.distributed.all_reduce(t, group=group)
+        return (t / torch.distributed.get_world_size(group)).numpy()
+
+    return mean
 
 
 def _is_first_rank() -> bool:

@@ -51,6 +51,11 @@ class ReferenceDecoder:
         n1 = tree.num_nodes + 1
         mask = torch.zeros((n1, n1), dtype=model.dtype, device=self.device)
         self.tree_bias = mask.masked_fill(~self.tree.ancestors, torch.finfo(model.dtype).min)
+        # Set to a list (with a matrix that keeps probabilities) to record every step's
+        # (node confidences [N+1], whether each node's token is the target's at its parent
+        # [N+1], root True): what the adaptive budget would have seen, and what verifying any
+        # subtree would have accepted (benchmarks/budget_projection.py).
+        self.trace: list[tuple[list[float], list[bool]]] | None = None
 
     @torch.no_grad()
     def generate(
@@ -95,7 +100,10 @@ class ReferenceDecoder:
             while len(out.tokens) < max_new_tokens and out.tokens[-1] not in eos:
                 prefix = cache.get_seq_length()
                 root = torch.tensor([out.tokens[-1]], device=self.device)
-                tokens = self.matrix.draft(root, self.tree, slots)
+                if self.trace is not None:
+                    tokens, conf = self.matrix.draft(root, self.tree, slots, with_probs=True)
+                else:
+                    tokens = self.matrix.draft(root, self.tree, slots)
                 mask = torch.cat(
                     [torch.zeros((n1, prefix), dtype=self.tree_bias.dtype, device=self.device),
                      self.tree_bias], dim=1)
@@ -109,6 +117,10 @@ class ReferenceDecoder:
                 target = pick(tokens, logits)
                 path = accept(self.tree, tokens, target[None], greedy)
                 accepted = int(path.num_accepted[0])
+                if self.trace is not None:
+                    match = tokens[0].long() == target[self.tree.parent.clamp(min=0)]
+                    match[0] = True
+                    self.trace.append((conf[0].tolist(), match.tolist()))
                 _keep_path(cache, prefix, path.nodes[0, : accepted + 1])
                 out.tokens_per_step.append(accepted + 1)
                 for token in path.output_tokens[0, : accepted + 1].tolist():

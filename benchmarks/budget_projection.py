@@ -1,0 +1,241 @@
+"""A projection, not a measurement: what the adaptive budget (``budget: "auto"``) would gain on
+an H100, from the H100's measured verification costs and acceptance measured here.
+
+    python benchmarks/budget_projection.py                  # trace SmolLM2, project, time the budget
+
+1. Acceptance: the reference decoder (``vllm_recycling.reference``, plain transformers, batch 1,
+   greedy) verifies the whole "2.2.2" tree at every step on the shipped Spec-Bench sample and
+   records, per step, each node's confidence (what the budget sees) and whether its token is the
+   target's at its parent (what any subtree of it would have accepted).
+2. Cost: ``benchmarks/results/verify_cost_nvidia-h100-80gb-hbm3.json`` (CUDA-graph replays of
+   Llama-shaped decoders at batch 1..64 for 1, 7, 17, 33 and 81 tokens per request). A step of
+   T tokens costs what the next measured size up costs (a staircase: conservative for the
+   budget, whose steps fall between the measured sizes; the fixed trees sit on them).
+3. Per batch size b: rounds of b trace steps drawn at random (seeded), as b requests verified
+   together; the budget code of the plugin (``budget.Calibration``, ``budget.admit``) learns
+   its calibration online from the nodes it admits (50 rounds of warm-up, then 300 measured)
+   and chooses each round's nodes with the H100 cost of that batch size. Fixed trees verify
+   the rank-0 chain of "2.2.2" (6 nodes, as chain6) or its first 16, 32 or 80 nodes. Speed-up
+   = tokens per second over plain decoding's at the same batch size.
+
+Also times the budget's own work per step on this machine (survival + admission, after the
+drafts exist) at each batch size. Writes ``benchmarks/results/budget_projection.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from spec_bench import RESULTS, run_header  # noqa: E402
+
+BATCHES = (1, 2, 4, 8, 16, 32, 64)
+COST_TABLE = RESULTS / "verify_cost_nvidia-h100-80gb-hbm3.json"
+FIXED = {"chain6": "chain", "first 16": 16, "first 32": 32, "2.2.2 (80)": 80}
+WARMUP_ROUNDS, ROUNDS = 50, 300
+
+
+def trace_reference(args) -> dict:
+    """Run the reference decoder over the sample; returns {"conf": [S, M], "match": [S, M]}."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vllm_recycling.matrix import AdjacencyMatrix
+    from vllm_recycling.models import prepare_model
+    from vllm_recycling.prompts import chat_prompt_ids, spec_bench_questions
+    from vllm_recycling.reference import ReferenceDecoder
+    from vllm_recycling.tree import load_tree
+
+    path = str(prepare_model(args.model))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    matrix = AdjacencyMatrix(model.config.vocab_size, 8, with_probs=True)
+    decoder = ReferenceDecoder(model, load_tree("2.2.2", 8), matrix)
+    decoder.trace = []
+    for q in spec_bench_questions(per_category=args.per_category):
+        decoder.generate(chat_prompt_ids(tokenizer, q["turns"][0]), args.max_tokens,
+                         eos_token_id=model.config.eos_token_id)
+    conf = np.array([c for c, _ in decoder.trace], dtype=np.float32)
+    match = np.array([m for _, m in decoder.trace], dtype=bool)
+    return {"conf": conf, "match": match}
+
+
+def h100_costs() -> dict:
+    """{shape: {batch: (tokens [5], seconds [5])}} from the H100 table."""
+    rows = json.loads(COST_TABLE.read_text())["rows"]
+    out: dict = {}
+    for r in rows:
+        out.setdefault(r["shape"], {}).setdefault(r["batch"], []).append((r["tokens"], r["graph_ms"] / 1e3))
+    return {s: {b: tuple(np.array(v).T) for b, v in sorted(by.items())} for s, by in out.items()}
+
+
+def staircase(tokens: np.ndarray, seconds: np.ndarray):
+    order = np.argsort(tokens)
+    tokens, seconds = tokens[order], np.maximum.accumulate(seconds[order])
+
+    def cost(t, trees=0):
+        t = np.asarray(t, dtype=np.float64)
+        i = np.minimum(np.searchsorted(tokens, t, side="left"), len(tokens) - 1)
+        beyond = t > tokens[-1]
+        slope = (seconds[-1] - seconds[-2]) / (tokens[-1] - tokens[-2])
+        return np.where(beyond, seconds[-1] + (t - tokens[-1]) * slope, seconds[i])
+
+    return cost
+
+
+def accepted_tokens(mask: np.ndarray, match: np.ndarray, parent: np.ndarray, levels) -> np.ndarray:
+    """Per request, the draft tokens a verification of the admitted nodes accepts (greedy):
+    admitted nodes whose token and every ancestor's match. mask, match [b, M] (root included)."""
+    ok = np.zeros_like(mask)
+    ok[:, 0] = True
+    for d in range(1, len(levels) - 1):
+        s, e = levels[d], levels[d + 1]
+        ok[:, s:e] = ok[:, parent[s:e]] & mask[:, s:e] & match[:, s:e]
+    return ok[:, 1:].sum(axis=1)
+
+
+def simulate(trace, cost, batch: int, seed: int) -> dict:
+    from vllm_recycling.budget import Calibration, admit, chain_nodes, confidence_bins
+    from vllm_recycling.tree import load_tree
+
+    tree = load_tree("2.2.2", 8)
+    parent = tree.parent.clamp(min=0)
+    parent_np, levels = parent.numpy(), tree.level_starts
+    chain = chain_nodes(tree.parent, tree.rank)
+    chain_np = np.concatenate([[True], chain.numpy()])
+    cal = Calibration()
+    rng = np.random.default_rng(seed)
+    fixed_masks = {}
+    for name, n in FIXED.items():
+        m = chain_np.copy() if n == "chain" else np.arange(tree.num_nodes + 1) <= n
+        fixed_masks[name] = m
+    totals = {"plain": [0, 0.0], "auto": [0, 0.0], **{k: [0, 0.0] for k in FIXED}}
+    admitted = 0
+    for r in range(WARMUP_ROUNDS + ROUNDS):
+        idx = rng.integers(0, len(trace["conf"]), size=batch)
+        conf = torch.from_numpy(trace["conf"][idx])
+        match = trace["match"][idx]
+        survival = cal.survival(conf, parent, levels)
+        got = admit(survival[:, 1:], chain, batch, batch, cost)
+        mask = np.concatenate([np.ones((batch, 1), bool), got.mask.numpy()], axis=1)
+        acc = accepted_tokens(mask, match, parent_np, levels)
+        # what the proposer learns: admitted nodes whose parent was accepted
+        ok = np.zeros_like(mask)
+        ok[:, 0] = True
+        for d in range(1, len(levels) - 1):
+            s, e = levels[d], levels[d + 1]
+            ok[:, s:e] = ok[:, parent_np[s:e]] & mask[:, s:e] & match[:, s:e]
+        tried = mask & ok[:, parent_np]
+        tried[:, 0] = False
+        cal.observe(confidence_bins(trace["conf"][idx][tried]), ok[tried])
+        if r < WARMUP_ROUNDS:
+            continue
+        admitted += got.num_admitted
+        totals["auto"][0] += batch + int(acc.sum())
+        totals["auto"][1] += float(cost(np.array([batch + got.num_admitted]))[0])
+        totals["plain"][0] += batch
+        totals["plain"][1] += float(cost(np.array([batch]))[0])
+        for name, m in fixed_masks.items():
+            a = accepted_tokens(np.broadcast_to(m, mask.shape).copy(), match, parent_np, levels)
+            totals[name][0] += batch + int(a.sum())
+            totals[name][1] += float(cost(np.array([batch * int(m.sum())]))[0])
+    plain_rate = totals["plain"][0] / totals["plain"][1]
+    out = {"admitted_per_request": admitted / ROUNDS / batch}
+    for name, (tokens, seconds) in totals.items():
+        out[name] = {"tokens_per_step": tokens / ROUNDS / batch, "ms_per_step": 1e3 * seconds / ROUNDS,
+                     "speedup": tokens / seconds / plain_rate}
+    return out
+
+
+def time_budget(batch: int, reps: int = 50) -> float:
+    """Median seconds of the budget's per-step work (survival + admit) at a batch size."""
+    from vllm_recycling.budget import Calibration, StepCost, admit, chain_nodes
+    from vllm_recycling.tree import load_tree
+
+    tree = load_tree("2.2.2", 8)
+    parent = tree.parent.clamp(min=0)
+    chain = chain_nodes(tree.parent, tree.rank)
+    cal, cost = Calibration(), StepCost([1, 64, 512], [0.03, 0.06, 0.5])
+    conf = torch.rand(batch, tree.num_nodes + 1, generator=torch.Generator().manual_seed(batch))
+    runs = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        survival = cal.survival(conf, parent, tree.level_starts)
+        got = admit(survival[:, 1:], chain, batch, batch, cost)
+        got.mask.numpy()
+        runs.append(time.perf_counter() - t0)
+    return float(np.median(runs))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--per-category", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trace", help="an .npz trace to read (written there when missing)")
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+
+    if args.trace and Path(args.trace).exists():
+        trace = dict(np.load(args.trace))
+    else:
+        trace = trace_reference(args)
+        if args.trace:
+            np.savez_compressed(args.trace, **trace)
+    from vllm_recycling.tree import load_tree
+
+    tree = load_tree("2.2.2", 8)
+    steps = len(trace["conf"])
+    full_mat = 1 + accepted_tokens(np.ones_like(trace["match"]), trace["match"],
+                                   tree.parent.clamp(min=0).numpy(), tree.level_starts).mean()
+    rows = []
+    for shape, by_batch in h100_costs().items():
+        for batch in BATCHES:
+            tokens, seconds = by_batch[batch]
+            sim = simulate(trace, staircase(tokens, seconds), batch, args.seed)
+            best = max(FIXED, key=lambda k: sim[k]["speedup"])
+            rows.append({"shape": shape, "batch": batch, **sim, "best_fixed": best,
+                         "auto_vs_best": sim["auto"]["speedup"] / max(sim[best]["speedup"], 1.0)})
+    budget_ms = {b: 1e3 * time_budget(b) for b in BATCHES}
+
+    header = run_header("budget_projection.py", args.model)
+    lines = [
+        "# Adaptive budget on an H100: a projection", "",
+        f"{header['date']}; {header['machine']}; torch {torch.__version__}. "
+        f"Command: `{header['command']}`.", "",
+        f"**A projection, not a measurement**: acceptance from the reference decoder ({args.model}, "
+        f"greedy, {steps} steps verifying the whole 2.2.2 tree, mean {full_mat:.2f} tokens per step), "
+        "costs from the H100 verification table (`verify_cost_nvidia-h100-80gb-hbm3.md`, CUDA graphs, "
+        "a staircase between measured sizes), the plugin's own budget code choosing the nodes. "
+        "Speed-up: tokens per second over plain decoding at the same batch size; `vs best`: auto "
+        "over the best of plain decoding and the fixed trees.", "",
+        "| shape | batch | auto nodes/request | auto tokens/step | auto | chain6 | first 16 | first 32 | 2.2.2 (80) | best fixed | auto vs best |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['shape']} | {r['batch']} | {r['admitted_per_request']:.1f} | {r['auto']['tokens_per_step']:.2f} | "
+            f"{r['auto']['speedup']:.2f}x | " + " | ".join(f"{r[k]['speedup']:.2f}x" for k in FIXED)
+            + f" | {r['best_fixed']} | {r['auto_vs_best']:.3f} |")
+    lines += ["", "The budget's own work per step on this machine (survival and admission over the batch's "
+              "80-node trees, after drafting), median of 50:", "",
+              "| batch | " + " | ".join(str(b) for b in BATCHES) + " |",
+              "|---|" + "---|" * len(BATCHES),
+              "| ms | " + " | ".join(f"{budget_ms[b]:.2f}" for b in BATCHES) + " |"]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    (RESULTS / "budget_projection.md").write_text(text)
+    (RESULTS / "budget_projection.json").write_text(json.dumps(
+        {"header": header, "steps": steps, "full_tree_tokens_per_step": float(full_mat),
+         "rows": rows, "budget_ms": budget_ms}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""The adaptive budget (``vllm_recycling.budget``): admissions on crafted survivals and costs,
+exactly; the calibration and the cost model."""
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_recycling.budget import (
+    PRIOR_TRIALS,
+    Calibration,
+    StepCost,
+    admit,
+    chain_nodes,
+    confidence_bins,
+    profile_sizes,
+)
+from vllm_recycling.tree import compile_tree, load_tree
+
+
+def linear(per_token: float, per_tree: float = 0.0):
+    def cost(tokens, trees):
+        return 1.0 + per_token * np.asarray(tokens, dtype=np.float64) + per_tree * np.asarray(trees)
+
+    return cost
+
+
+# nodes 1 (rank 0, depth 1), 2 (rank 1, depth 1), 3 (rank 0 under 1): the rank-0 chain is 1, 3
+CHAIN = torch.tensor([True, False, True])
+SURVIVAL = torch.tensor([[0.9, 0.5, 0.45]])
+
+
+def test_chain_nodes_of_a_template():
+    tree = compile_tree([[0], [1], [0, 0]], topk=2)
+    assert chain_nodes(tree.parent, tree.rank).tolist() == CHAIN.tolist()
+    tree = load_tree("2.2.2", 8)
+    chain = chain_nodes(tree.parent, tree.rank)
+    assert int(chain.sum()) == tree.max_depth
+    assert (tree.depth[1:][chain] == torch.arange(1, tree.max_depth + 1)).all()
+
+
+def test_whole_tree_when_tokens_are_cheap():
+    # tree plan: gains 0 .9 1.4 1.85 over costs 1.1 1.2 1.3 1.4 -> B = 3 (2.85 / 1.4)
+    got = admit(SURVIVAL, CHAIN, num_decoding=1, base_tokens=1, cost=linear(0.1))
+    assert got.mask.tolist() == [[True, True, True]] and got.trees == 1 and got.num_admitted == 3
+    assert got.expected == pytest.approx(2.85) and got.seconds == pytest.approx(1.4)
+
+
+def test_chain_when_tree_attention_costs_more_than_it_brings():
+    # chain plan: nodes 1 and 3, 2.35 / 1.3 = 1.808; the tree plan pays 0.5: at best 2.85 / 1.9
+    got = admit(SURVIVAL, CHAIN, num_decoding=1, base_tokens=1, cost=linear(0.1, per_tree=0.5))
+    assert got.mask.tolist() == [[True, False, True]] and got.trees == 0 and got.num_admitted == 2
+    assert got.expected == pytest.approx(2.35)
+
+
+def test_nothing_when_every_draft_costs_more_than_it_brings():
+    got = admit(SURVIVAL, CHAIN, num_decoding=1, base_tokens=1, cost=linear(10.0))
+    assert not got.mask.any() and got.num_admitted == 0 and got.trees == 0
+    assert got.expected == 1.0 and got.seconds == pytest.approx(11.0)
+
+
+def test_ties_go_to_the_earlier_request_and_the_parent():
+    def cost(tokens, trees):  # a second draft token costs too much
+        return np.array([{2: 1.2, 3: 1.3}.get(int(t), 2.0) for t in np.atleast_1d(tokens)])
+
+    survival = torch.tensor([[0.5], [0.5]])
+    got = admit(survival, torch.tensor([True]), num_decoding=2, base_tokens=2, cost=cost)
+    assert got.mask.tolist() == [[True], [False]]
+    # one request, a node and its child equally likely: the parent first
+    def cost1(tokens, trees):
+        return np.array([{1: 1.0, 2: 1.1}.get(int(t), 5.0) for t in np.atleast_1d(tokens)])
+
+    got = admit(torch.tensor([[0.5, 0.5]]), torch.tensor([True, True]), 1, 1, cost1)
+    assert got.mask.tolist() == [[True, False]]
+
+
+def test_admitted_set_is_ancestor_closed_per_request():
+    tree = load_tree("2.2.2", 8)
+    cal = Calibration()
+    torch.manual_seed(0)
+    conf = torch.rand(5, tree.num_nodes + 1)
+    survival = cal.survival(conf, tree.parent.clamp(min=0), tree.level_starts)
+    chain = chain_nodes(tree.parent, tree.rank)
+    parent = tree.parent.clamp(min=0)
+    for per_token in (0.001, 0.01, 0.05):
+        got = admit(survival[:, 1:], chain, 5, 5, linear(per_token))
+        full = torch.cat([torch.ones(5, 1, dtype=torch.bool), got.mask], dim=1)
+        assert full[:, parent].ge(full).all()  # every admitted node's parent is admitted
+        assert got.num_admitted == int(got.mask.sum())
+
+
+def test_survival_is_the_product_along_the_path():
+    cal = Calibration()
+    cal.table = torch.full((cal.num_bins,), 0.5)
+    cal.table[0] = 0.1
+    # root, 1 and 2 under the root, 3 under 1
+    parent = torch.tensor([0, 0, 0, 1])
+    conf = torch.tensor([[1.0, 0.9, 0.0, 0.9]])
+    survival = cal.survival(conf, parent, (0, 1, 3, 4))
+    assert survival[0].tolist() == pytest.approx([1.0, 0.5, 0.1, 0.25])
+
+
+def test_calibration_learns_per_bin():
+    cal = Calibration()
+    bins = confidence_bins(np.array([0.0, 0.25, 0.25, 1.0]))
+    assert bins.tolist() == [0, 8, 8, 15]
+    assert confidence_bins(torch.tensor([0.0, 0.25, 1.0])).tolist() == [0, 8, 15]
+    before = cal.table[8].item()
+    cal.observe(bins[1:3], np.array([True, True]))
+    center = ((8 + 0.5) / 16) ** 2
+    assert cal.trials[8] == PRIOR_TRIALS + 2
+    assert cal.table[8].item() == pytest.approx((center * PRIOR_TRIALS + 2) / (PRIOR_TRIALS + 2))
+    assert cal.table[8].item() > before
+    cal.observe(np.array([8] * 10), np.zeros(10, dtype=bool))
+    assert cal.table[8].item() < before
+
+
+def test_step_cost_profile_and_online_fit():
+    cost = StepCost([1, 2, 4, 8], [1.0, 1.2, 1.1, 2.0])  # made monotone: 1.0 1.2 1.2 2.0
+    assert cost.profile(np.array([1, 3, 4, 6, 8, 10])).tolist() == pytest.approx(
+        [1.0, 1.2, 1.2, 1.6, 2.0, 2.4])  # beyond the profile: the last slope, 0.8 / 4 per token
+    assert cost(np.array([4]), True).tolist() == pytest.approx([1.2])  # nothing learnt yet
+    rng = np.random.default_rng(0)
+    for _ in range(3000):
+        t, tree = int(rng.integers(1, 40)), bool(rng.integers(0, 2))
+        cost.observe(t, tree, float(cost.profile(np.array([t]))[0]) + 0.5 + 0.01 * t + 0.3 * tree)
+    assert cost.observed == 3000
+    assert cost(np.array([4]), True).tolist() == pytest.approx([1.2])  # not agreed yet
+    cost.agree()
+    assert cost.agreed == pytest.approx([0.5, 0.01, 0.3], abs=1e-6)
+    cost.agree(lambda theta: theta * 0 + 1.0)  # what the ranks agree on is what decides
+    assert cost(np.array([2]), False).tolist() == pytest.approx([1.2 + 1 + 2])
+
+
+def test_tree_term_counts_requests_off_their_chain():
+    # two requests; request 0's rank-1 node (0.5) is worth it when a tree costs 0.05, and then
+    # request 1's too: two trees
+    survival = torch.tensor([[0.9, 0.5, 0.45], [0.9, 0.5, 0.45]])
+    got = admit(survival, CHAIN, 2, 2, linear(0.01, per_tree=0.05))
+    assert got.trees == 2 and got.num_admitted == 6
+    # a tree costs 0.3 per request: chains only
+    got = admit(survival, CHAIN, 2, 2, linear(0.01, per_tree=0.3))
+    assert got.trees == 0 and got.mask.tolist() == [[True, False, True]] * 2
+
+
+def test_step_cost_needs_two_sizes():
+    with pytest.raises(ValueError, match="two increasing"):
+        StepCost([1], [1.0])
+
+
+def test_profile_sizes():
+    assert profile_sizes(2) == [1, 2]
+    assert profile_sizes(20) == [1, 2, 3, 4, 6, 9, 14, 20]

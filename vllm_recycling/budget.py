@@ -1,0 +1,205 @@
+"""The adaptive verification budget: which draft nodes a step verifies.
+
+A node is worth verifying when the tokens it is expected to add outweigh what it costs on this
+hardware at this batch size. Per step, over all requests of the batch:
+
+- ``Calibration``: the probability that a node is accepted given that its parent was, as a
+  function of its edge confidence (the probability of its token under the logits that wrote
+  its matrix row, ``AdjacencyMatrix.probs``). Learned online from verification outcomes:
+  sqrt-spaced confidence bins, each a hit / trial count that starts from a prior (the
+  confidence itself, worth ``PRIOR_TRIALS`` trials) and halves once it holds ``MAX_TRIALS``,
+  so it follows the traffic.
+- survival of a node: the product of its path's calibrated edges (the chance that the node
+  and all its ancestors are accepted), computed level by level, so a child never survives
+  more than its parent.
+- ``StepCost``: seconds per step as a function of the tokens in it: a start-up profile of
+  the forward pass (``profile``), plus a residual ``a + b * tokens + c * trees`` fitted online
+  by recursive least squares on measured step times (sampling, the matrix update, scheduling
+  and, per request with a branching tree, tree attention). Decisions read ``agreed`` parameters,
+  refreshed every ``SYNC_STEPS`` steps (averaged over tensor-parallel ranks there), so every
+  rank makes the same choice.
+- ``admit``: the global top-B nodes by survival (ancestor-closed per request, since survival
+  never grows along a path), B* = argmax_B (R + sum of the admitted survivals) / cost(base + B),
+  B = 0 (plain decoding) included; once over the rank-0 chain of each request (vLLM verifies a
+  chain without tree attention) and once over the whole tree (paying the tree term for each
+  request that gets a node off its chain), the better of the two.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+NUM_BINS = 16
+PRIOR_TRIALS = 4.0
+MAX_TRIALS = 4096.0
+SYNC_STEPS = 32
+
+
+def confidence_bins(conf: torch.Tensor | np.ndarray, num_bins: int = NUM_BINS):
+    """Bin index of each confidence in [0, 1]: sqrt-spaced, so low confidences (most nodes)
+    get finer bins. Works on tensors and arrays."""
+    if isinstance(conf, np.ndarray):
+        return np.minimum((np.sqrt(np.clip(conf, 0.0, 1.0)) * num_bins).astype(np.int64), num_bins - 1)
+    return (conf.clamp(0.0, 1.0).sqrt() * num_bins).long().clamp(max=num_bins - 1)
+
+
+class Calibration:
+    """P(node accepted | parent accepted) per confidence bin, learned online."""
+
+    def __init__(self, device: torch.device | str = "cpu", num_bins: int = NUM_BINS) -> None:
+        centers = ((np.arange(num_bins) + 0.5) / num_bins) ** 2  # the confidence at each bin's middle
+        self.trials = np.full(num_bins, PRIOR_TRIALS)
+        self.hits = centers * PRIOR_TRIALS
+        self.num_bins = num_bins
+        self.device = torch.device(device)
+        self.table = torch.tensor(self.hits / self.trials, dtype=torch.float32, device=self.device)
+
+    def observe(self, bins: np.ndarray, accepted: np.ndarray) -> None:
+        """bins [n] int: the bins of nodes whose parent was accepted; accepted [n] bool."""
+        if bins.size == 0:
+            return
+        np.add.at(self.trials, bins, 1.0)
+        np.add.at(self.hits, bins, accepted.astype(np.float64))
+        full = self.trials >= MAX_TRIALS
+        self.trials[full] *= 0.5
+        self.hits[full] *= 0.5
+        self.table = torch.tensor(self.hits / self.trials, dtype=torch.float32, device=self.device)
+
+    def survival(self, conf: torch.Tensor, parent: torch.Tensor, level_starts: tuple[int, ...]) -> torch.Tensor:
+        """conf [R, M] (node 0 the root, breadth-first) -> survival [R, M] (1 at the root).
+        parent [M] int64 node index of each node's parent."""
+        edge = self.table[confidence_bins(conf, self.num_bins)]
+        survival = torch.ones_like(edge)
+        for d in range(1, len(level_starts) - 1):  # one product per level, never per node
+            s, e = level_starts[d], level_starts[d + 1]
+            survival[:, s:e] = survival[:, parent[s:e]] * edge[:, s:e]
+        return survival
+
+
+class StepCost:
+    """Seconds per step: ``profile(tokens) + a + b * tokens + c * trees`` (trees: requests with
+    a branching tree in the step)."""
+
+    def __init__(self, sizes, seconds, forget: float = 0.995) -> None:
+        sizes = np.asarray(sizes, dtype=np.float64)
+        seconds = np.maximum.accumulate(np.asarray(seconds, dtype=np.float64))  # made monotone
+        if sizes.ndim != 1 or sizes.size < 2 or np.any(np.diff(sizes) <= 0):
+            raise ValueError("StepCost needs at least two increasing profile sizes")
+        self.sizes, self.seconds = sizes, seconds
+        # beyond the profile: the slope of its last two points
+        self.tail_slope = max(0.0, (seconds[-1] - seconds[-2]) / (sizes[-1] - sizes[-2]))
+        self.theta = np.zeros(3)
+        self.cov = np.diag([1.0, 1e-4, 1.0])  # prior: a few ms per step, ~0 per token
+        self.forget = forget
+        self.agreed = self.theta.copy()
+        self.observed = 0
+
+    def profile(self, tokens: np.ndarray | torch.Tensor):
+        t = tokens.double().cpu().numpy() if isinstance(tokens, torch.Tensor) else np.asarray(tokens, np.float64)
+        inside = np.interp(t, self.sizes, self.seconds)
+        return np.where(t > self.sizes[-1], self.seconds[-1] + (t - self.sizes[-1]) * self.tail_slope, inside)
+
+    def __call__(self, tokens, trees=0) -> np.ndarray:
+        """Predicted seconds for steps of ``tokens`` with ``trees`` branching requests (arrays
+        or scalars), with the agreed parameters."""
+        t = np.asarray(tokens, dtype=np.float64)
+        a, b, c = self.agreed
+        return np.maximum(self.profile(t) + a + b * t + c * np.asarray(trees, dtype=np.float64), 1e-6)
+
+    def observe(self, tokens: int, trees: int, seconds: float) -> None:
+        """One measured step (recursive least squares with forgetting on the residual)."""
+        x = np.array([1.0, float(tokens), float(trees)])
+        y = seconds - float(self.profile(np.array([tokens]))[0])
+        px = self.cov @ x
+        gain = px / (self.forget + x @ px)
+        self.theta = self.theta + gain * (y - x @ self.theta)
+        self.cov = (self.cov - np.outer(gain, px)) / self.forget
+        self.observed += 1
+
+    def agree(self, all_reduce_mean: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
+        """Make the current fit the one decisions use (averaged over ranks when given)."""
+        theta = self.theta if all_reduce_mean is None else all_reduce_mean(self.theta)
+        self.agreed = np.asarray(theta, dtype=np.float64).copy()
+
+
+@dataclass
+class Admission:
+    """What ``admit`` chose. mask [R, N] bool over the non-root nodes; trees: requests given a
+    node off their rank-0 chain (a branching tree); expected: R + the admitted survivals;
+    seconds: predicted step cost."""
+
+    mask: torch.Tensor
+    num_admitted: int
+    trees: int
+    expected: float
+    seconds: float
+
+
+def admit(
+    survival: torch.Tensor,
+    chain: torch.Tensor,
+    num_decoding: int,
+    base_tokens: int,
+    cost: Callable[[np.ndarray, np.ndarray], np.ndarray],
+) -> Admission:
+    """survival [R, N] of the non-root nodes (breadth-first); chain [N] bool: the nodes of the
+    template's rank-0 chain; num_decoding: tokens the step yields without drafts (R);
+    base_tokens: the step's tokens without drafts; cost(tokens, trees) -> seconds, elementwise.
+
+    Ties keep the lower (request, node) first, so a parent (never less likely than its child,
+    and earlier) is always admitted before its child.
+    """
+    num_req, num_nodes = survival.shape
+    best = None
+    for tree in (False, True):
+        cand = survival if tree else survival * chain[None, :].to(survival.dtype)
+        flat = cand.reshape(-1)
+        order = torch.sort(flat, descending=True, stable=True).indices
+        gains = torch.cat([flat.new_zeros(1), flat[order].cumsum(0)]).double().cpu().numpy()
+        sizes = np.arange(gains.size)
+        trees = np.zeros(gains.size)
+        if tree:
+            # requests with a node off their chain among the first B: each request's first such
+            # node in the order counts once
+            off = ~chain.to(survival.device).repeat(num_req)[order]
+            req = order // num_nodes
+            first = torch.zeros(num_req, dtype=torch.long, device=survival.device).scatter_reduce_(
+                0, req[off], torch.nonzero(off)[:, 0], "amin", include_self=False
+            )
+            is_first = torch.zeros(order.shape[0], dtype=torch.bool, device=survival.device)
+            is_first[first[torch.unique(req[off])]] = True
+            trees[1:] = is_first.cumsum(0).double().cpu().numpy()
+        value = (num_decoding + gains) / cost(base_tokens + sizes, trees)
+        b = int(np.argmax(value))
+        if best is None or value[b] > best[0] * (1 + 1e-9):
+            best = (value[b], b, order, int(trees[b]), float(gains[b]))
+    value, b, order, trees, gain = best
+    mask = torch.zeros(num_req * num_nodes, dtype=torch.bool, device=survival.device)
+    mask[order[:b]] = True
+    return Admission(mask.view(num_req, num_nodes), b, trees, num_decoding + gain,
+                     (num_decoding + gain) / value)
+
+
+def chain_nodes(parent: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
+    """[N] bool over the non-root nodes: the template's rank-0 chain (rank 0 all the way)."""
+    on = torch.zeros(parent.shape[0], dtype=torch.bool)
+    on[0] = True
+    parent, rank = parent.cpu(), rank.cpu()
+    for node in range(1, parent.shape[0]):  # template set-up, once
+        on[node] = bool(on[int(parent[node])]) and int(rank[node]) == 0
+    return on[1:]
+
+
+def profile_sizes(max_tokens: int) -> list[int]:
+    """Token counts a start-up profile measures: dense at small sizes, then x1.5 steps."""
+    sizes, n = [], 1
+    while n < max_tokens:
+        sizes.append(n)
+        n = n + 1 if n < 4 else int(math.ceil(n * 1.5))
+    sizes.append(max_tokens)
+    return sizes

@@ -118,17 +118,21 @@ def test_step_cost_profile_and_online_fit():
     cost = StepCost([1, 2, 4, 8], [1.0, 1.2, 1.1, 2.0])  # made monotone: 1.0 1.2 1.2 2.0
     assert cost.profile(np.array([1, 3, 4, 6, 8, 10])).tolist() == pytest.approx(
         [1.0, 1.2, 1.2, 1.6, 2.0, 2.4])  # beyond the profile: the last slope, 0.8 / 4 per token
-    assert cost(np.array([4]), True).tolist() == pytest.approx([1.2])  # nothing learnt yet
+    assert cost(np.array([4]), 1).tolist() == pytest.approx([1.2])  # nothing learnt yet
     rng = np.random.default_rng(0)
     for _ in range(3000):
-        t, tree = int(rng.integers(1, 40)), bool(rng.integers(0, 2))
-        cost.observe(t, tree, float(cost.profile(np.array([t]))[0]) + 0.5 + 0.01 * t + 0.3 * tree)
+        t, trees = int(rng.integers(1, 40)), int(rng.integers(0, 3))
+        tree_s = 0.3 * trees
+        cost.observe(t, trees, tree_s, float(cost.profile(np.array([t]))[0]) + 0.5 + 0.01 * t + tree_s)
     assert cost.observed == 3000
-    assert cost(np.array([4]), True).tolist() == pytest.approx([1.2])  # not agreed yet
+    assert cost(np.array([4]), 1).tolist() == pytest.approx([1.2])  # not agreed yet
     cost.agree()
     assert cost.agreed == pytest.approx([0.5, 0.01, 0.3], abs=1e-6)
-    cost.agree(lambda theta: theta * 0 + 1.0)  # what the ranks agree on is what decides
-    assert cost(np.array([2]), False).tolist() == pytest.approx([1.2 + 1 + 2])
+    cost.agree(lambda params: params * 0 + 1.0)  # what the ranks agree on is what decides
+    assert cost(np.array([2]), 1).tolist() == pytest.approx([1.2 + 1 + 2 + 1])
+    cost.theta[1] = -0.5
+    cost.agree()
+    assert cost.agreed[1] == 0.0  # never a negative cost per token
 
 
 def test_tree_term_counts_requests_off_their_chain():

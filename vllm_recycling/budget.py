@@ -13,9 +13,10 @@ hardware at this batch size. Per step, over all requests of the batch:
   and all its ancestors are accepted), computed level by level, so a child never survives
   more than its parent.
 - ``StepCost``: seconds per step as a function of the tokens in it: a start-up profile of
-  the forward pass (``profile``), plus a residual ``a + b * tokens + c * trees`` fitted online
-  by recursive least squares on measured step times (sampling, the matrix update, scheduling
-  and, per request with a branching tree, tree attention). Decisions read ``agreed`` parameters,
+  the forward pass (``profile``), plus ``a + b * tokens`` fitted online by recursive least
+  squares on measured step times (sampling, the matrix update, scheduling), plus ``c`` per
+  request with a branching tree: tree attention and path choice, timed where they run and
+  averaged per tree request (a regression cannot separate it from the tokens it comes with). Decisions read ``agreed`` parameters,
   refreshed every ``SYNC_STEPS`` steps (averaged over tensor-parallel ranks there), so every
   rank makes the same choice.
 - ``admit``: the global top-B nodes by survival (ancestor-closed per request, since survival
@@ -93,10 +94,12 @@ class StepCost:
         self.sizes, self.seconds = sizes, seconds
         # beyond the profile: the slope of its last two points
         self.tail_slope = max(0.0, (seconds[-1] - seconds[-2]) / (sizes[-1] - sizes[-2]))
-        self.theta = np.zeros(3)
-        self.cov = np.diag([1.0, 1e-4, 1.0])  # prior: a few ms per step, ~0 per token
+        self.theta = np.zeros(2)
+        self.cov = np.diag([1.0, 1e-4])  # prior: a few ms per step, ~0 per token
         self.forget = forget
-        self.agreed = self.theta.copy()
+        self.per_tree = 0.0  # c: running mean of measured tree seconds per tree request
+        self.tree_weight = 0.0
+        self.agreed = np.zeros(3)  # a, b, c as decisions use them
         self.observed = 0
 
     def profile(self, tokens: np.ndarray | torch.Tensor):
@@ -111,10 +114,15 @@ class StepCost:
         a, b, c = self.agreed
         return np.maximum(self.profile(t) + a + b * t + c * np.asarray(trees, dtype=np.float64), 1e-6)
 
-    def observe(self, tokens: int, trees: int, seconds: float) -> None:
-        """One measured step (recursive least squares with forgetting on the residual)."""
-        x = np.array([1.0, float(tokens), float(trees)])
-        y = seconds - float(self.profile(np.array([tokens]))[0])
+    def observe(self, tokens: int, trees: int, tree_seconds: float, seconds: float) -> None:
+        """One measured step of ``seconds``, ``tree_seconds`` of them on its ``trees`` branching
+        requests (recursive least squares with forgetting on the rest)."""
+        if trees > 0:
+            w = self.forget * self.tree_weight
+            self.per_tree = (w * self.per_tree + tree_seconds) / (w + trees)
+            self.tree_weight = w + trees
+        x = np.array([1.0, float(tokens)])
+        y = seconds - tree_seconds - float(self.profile(np.array([tokens]))[0])
         px = self.cov @ x
         gain = px / (self.forget + x @ px)
         self.theta = self.theta + gain * (y - x @ self.theta)
@@ -122,9 +130,12 @@ class StepCost:
         self.observed += 1
 
     def agree(self, all_reduce_mean: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
-        """Make the current fit the one decisions use (averaged over ranks when given)."""
-        theta = self.theta if all_reduce_mean is None else all_reduce_mean(self.theta)
-        self.agreed = np.asarray(theta, dtype=np.float64).copy()
+        """Make the current fit the one decisions use (averaged over ranks when given). A token
+        never costs less than nothing: b is kept >= 0."""
+        params = np.array([self.theta[0], max(self.theta[1], 0.0), self.per_tree])
+        if all_reduce_mean is not None:
+            params = all_reduce_mean(params)
+        self.agreed = np.asarray(params, dtype=np.float64).copy()
 
 
 @dataclass

@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from typing import Any, Callable
 
 import torch
@@ -294,12 +295,14 @@ class TreeAttentionCPU(MethodPatch):
                 and attn_metadata.num_actual_tokens == step.num_tokens
                 and self.attn_type == "decoder"
             ):
+                started = time.perf_counter()
                 table = attn_metadata.block_table[step.req_index]
                 tree_attention(
                     step, query, key, value, output,
                     lambda req, positions: read_positions(kv_cache, table[req], positions),
                     self.scale,
                 )
+                step.tree_seconds += time.perf_counter() - started  # the budget's tree cost
             return output
 
         return forward

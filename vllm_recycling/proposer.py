@@ -270,7 +270,7 @@ class RecyclingProposer:
         # A step right after one whose requests all ended may include idle time: not timed.
         if self._last_end is not None and step.get("decode_only") and batch & self._prev_batch:
             seconds = now - self._last_end
-            self.cost.observe(step["tokens"], step["trees"], seconds)
+            self.cost.observe(step["tokens"], step["trees"], step.get("tree_seconds", 0.0), seconds)
             self._stats += np.array([1, seconds, self._predicted, step["tokens"] - len(batch)])
         self._prev_batch = batch
         self._steps += 1
@@ -282,7 +282,7 @@ class RecyclingProposer:
             a, b, c = self.cost.agreed
             logger.info(
                 "recycling budget: %d decode steps, %.2f drafts per request per step; step %.1f ms "
-                "measured, %.1f ms predicted; residual fit %.1f ms + %.3f ms/token + %.1f ms/tree",
+                "measured, %.1f ms predicted; residual %.1f ms + %.3f ms/token; %.1f ms per tree",
                 n, drafts / max(n * len(batch), 1), 1e3 * measured / n, 1e3 * predicted / n,
                 1e3 * a, 1e3 * b, 1e3 * c,
             )
@@ -385,6 +385,7 @@ class RecyclingProposer:
         step = ACTIVE_STEP.take()
         if step is None:
             return None
+        started = time.perf_counter()
         num_draft = np.asarray(spec_decode_metadata.num_draft_tokens, dtype=np.int64)
         logits_start = np.cumsum(num_draft + 1) - (num_draft + 1)
         device = logits.device
@@ -409,6 +410,8 @@ class RecyclingProposer:
         src, dst = plan.compaction(step, output.sampled_token_ids, step.slot_mapping)
         for kv_cache in kv_caches:
             cpu_kv.move_slots(kv_cache, src, dst)
+        if self._step:  # tree attention and this, what a step with trees costs more
+            self._step["tree_seconds"] = step.tree_seconds + time.perf_counter() - started
         return output
 
 

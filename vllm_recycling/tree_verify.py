@@ -128,6 +128,7 @@ class TreeStep:
     depth_np: np.ndarray  # [R, W] depth of each local node (0 on padding)
     groups: list["AttentionGroup"]
     slot_mapping: torch.Tensor | None = None  # this step's slots [>= num_tokens], set by the runner
+    tree_seconds: float = 0.0  # wall time spent on tree attention and verification (host clock)
 
     @classmethod
     def plan(

@@ -100,7 +100,8 @@ def test_greedy_identical(runs, mode, batch):
     print(f"\nsmollm2 {mode}, batch {batch}: {result['identical']}/{result['prompts']} identical, "
           f"near-ties {result['near_ties']}; {c}, MAT {1 + c['accepted'] / c['drafts']:.3f}")
     assert len(result["near_ties"]) <= 1, "more than one near-tie in 13 prompts means a bug, not numerics"
-    assert c["drafts"] > 0 and c["accepted"] > 0
+    if mode != "auto" or batch == 1:  # at batch 8 on 2 cores the budget may find nothing worth it
+        assert c["drafts"] > 0 and c["accepted"] > 0
 
 
 def test_reference_decoder_equals_generate(hf_model, prompts, reference):

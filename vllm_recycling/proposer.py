@@ -216,8 +216,10 @@ class RecyclingProposer:
         slot_mappings=None,
     ) -> list[list[int]]:
         """sampled_token_ids: per request (batch order) the tokens emitted this step, empty for
-        a partial prefill; num_tokens_no_spec [max_num_reqs] int32. Returns per request the
-        draft chain (num_speculative_tokens ids), or [] where there is nothing to draft."""
+        a partial prefill; num_tokens_no_spec [max_num_reqs] int32. Returns per request its
+        drafts in breadth-first order: with budget="fixed" every node of the template (or the
+        chain), with budget="auto" the nodes ``budget.admit`` chose (``_sent`` keeps which
+        template nodes they are, for the step plan and the calibration); [] for none."""
         if self.config.matrix_snapshot is not None:
             self._maybe_save()
         if self.auto:

@@ -31,6 +31,7 @@ import contextlib
 import json
 import os
 import random
+import shlex
 import signal
 import socket
 import subprocess
@@ -228,6 +229,8 @@ def main() -> None:
     parser.add_argument("--max-requests", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tag", default="cpu")
+    parser.add_argument("--server-args", default="",
+                        help="more vllm serve arguments for every server, e.g. --no-async-scheduling")
     parser.add_argument("--plot-only", action="store_true",
                         help="redraw the plot from the existing results file")
     args = parser.parse_args()
@@ -236,6 +239,7 @@ def main() -> None:
         plot(report, RESULTS / f"serve_bench_{args.tag}.png")
         return
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    SERVER_ARGS.extend(shlex.split(args.server_args))
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for method in methods:
         try:

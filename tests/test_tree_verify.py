@@ -195,6 +195,16 @@ def test_plan_subtree_of_the_template(layout):
     assert src.tolist() == [103, 105] and dst.tolist() == [103, 104]  # d moves to depth 2
 
 
+def test_plan_subtree_cut_by_the_scheduler(layout):
+    # sent a, b, d (template 1, 2, 4), the step's token budget kept a, b: still a tree
+    nodes = [np.array([1, 2, 4])]
+    step = TreeStep.plan(layout, np.array([2]), np.array([0, 3]), np.array([10]), "cpu", nodes)
+    assert step.num_rows.tolist() == [3] and step.parent.tolist() == [[0, 0, 0]]
+    assert step.children[0, :, :2].tolist() == [[1, 2], [-1, -1], [-1, -1]]
+    # kept a only: a chain, no tree step
+    assert TreeStep.plan(layout, np.array([1]), np.array([0, 2]), np.array([10]), "cpu", nodes) is None
+
+
 def test_chain_plan_keeps_chain_requests_whole(layout):
     # request 0 has a chain (a, c) and no tree; request 1 a tree with path b
     nodes = [np.array([1, 3]), None]

@@ -89,15 +89,20 @@ def staircase(tokens: np.ndarray, seconds: np.ndarray):
     return cost
 
 
-def accepted_tokens(mask: np.ndarray, match: np.ndarray, parent: np.ndarray, levels) -> np.ndarray:
-    """Per request, the draft tokens a verification of the admitted nodes accepts (greedy):
-    admitted nodes whose token and every ancestor's match. mask, match [b, M] (root included)."""
+def accepted_nodes(mask: np.ndarray, match: np.ndarray, parent: np.ndarray, levels) -> np.ndarray:
+    """[b, M] bool: the nodes a greedy verification of the admitted ones accepts: admitted
+    nodes whose token and every ancestor's match. mask, match [b, M] (root included, accepted)."""
     ok = np.zeros_like(mask)
     ok[:, 0] = True
     for d in range(1, len(levels) - 1):
         s, e = levels[d], levels[d + 1]
         ok[:, s:e] = ok[:, parent[s:e]] & mask[:, s:e] & match[:, s:e]
-    return ok[:, 1:].sum(axis=1)
+    return ok
+
+
+def accepted_tokens(mask: np.ndarray, match: np.ndarray, parent: np.ndarray, levels) -> np.ndarray:
+    """Per request, the draft tokens accepted (``accepted_nodes`` below the root)."""
+    return accepted_nodes(mask, match, parent, levels)[:, 1:].sum(axis=1)
 
 
 def simulate(trace, cost, batch: int, seed: int) -> dict:
@@ -124,13 +129,9 @@ def simulate(trace, cost, batch: int, seed: int) -> dict:
         survival = cal.survival(conf, parent, levels)
         got = admit(survival[:, 1:], chain, batch, batch, cost)
         mask = np.concatenate([np.ones((batch, 1), bool), got.mask.numpy()], axis=1)
-        acc = accepted_tokens(mask, match, parent_np, levels)
+        ok = accepted_nodes(mask, match, parent_np, levels)
+        acc = ok[:, 1:].sum(axis=1)
         # what the proposer learns: admitted nodes whose parent was accepted
-        ok = np.zeros_like(mask)
-        ok[:, 0] = True
-        for d in range(1, len(levels) - 1):
-            s, e = levels[d], levels[d + 1]
-            ok[:, s:e] = ok[:, parent_np[s:e]] & mask[:, s:e] & match[:, s:e]
         tried = mask & ok[:, parent_np]
         tried[:, 0] = False
         cal.observe(confidence_bins(trace["conf"][idx][tried]), ok[tried])

@@ -69,7 +69,7 @@ class Calibration:
         full = self.trials >= MAX_TRIALS
         self.trials[full] *= 0.5
         self.hits[full] *= 0.5
-        self.table = torch.tensor(self.hits / self.trials, dtype=torch.float32, device=self.device)
+        self.table.copy_(torch.from_numpy(self.hits / self.trials))  # in place: no new tensor per step
 
     def survival(self, conf: torch.Tensor, parent: torch.Tensor, level_starts: tuple[int, ...]) -> torch.Tensor:
         """conf [R, M] (node 0 the root, breadth-first) -> survival [R, M] (1 at the root).

@@ -170,3 +170,53 @@ def chi_square(a: list, b: list, min_count: int = 10) -> tuple[float, int]:
 def chi_square_critical(df: int, z: float = 3.09) -> float:
     """Wilson-Hilferty quantile of chi-square(df) at the normal quantile z (3.09: p = 0.001)."""
     return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+# -- a process killed while it saves a snapshot -------------------------------------------------
+
+_SAVE_THEN_DIE = r"""
+import sys, time
+import safetensors.torch
+import torch
+from vllm_recycling.matrix import AdjacencyMatrix
+
+path, vocab, topk = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+m = AdjacencyMatrix(vocab, topk)
+m.table.copy_(torch.randint(0, vocab, m.table.shape, generator=torch.Generator().manual_seed(1)))
+m.save(path)  # a complete snapshot
+m.table.add_(1).remainder_(vocab)
+real_save = safetensors.torch.save_file
+
+def half_written(tensors, filename, metadata=None):
+    real_save(tensors, filename, metadata=metadata)
+    with open(filename, "r+b") as f:
+        f.truncate(f.seek(0, 2) // 2)
+    print("writing", flush=True)
+    time.sleep(600)  # killed here, in the middle of the next save
+
+safetensors.torch.save_file = half_written
+m.save(path)
+"""
+
+
+def kill_during_snapshot_save(path, vocab_size: int, topk: int):
+    """Run a process that saves a matrix snapshot to ``path`` once, then starts a second save
+    and is killed with SIGKILL while that save's file is half written. Returns the first
+    save's matrix (what ``path`` must still hold) and the temporary files left behind."""
+    import signal
+    import subprocess
+    import sys
+
+    import torch
+
+    child = subprocess.Popen([sys.executable, "-c", _SAVE_THEN_DIE, str(path), str(vocab_size), str(topk)],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "writing"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+    assert child.returncode == -signal.SIGKILL
+    first = torch.randint(0, vocab_size, (vocab_size, topk), dtype=torch.int32,
+                          generator=torch.Generator().manual_seed(1))
+    return first, sorted(path.parent.glob(f".{path.name}.*.tmp"))

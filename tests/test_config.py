@@ -25,8 +25,9 @@ def refused(message: str, **keys) -> None:
 def test_defaults():
     config = parse()
     assert config == RecyclingConfig(
-        tree=None, topk=8, matrix_scope="overlay", overlay_rows=4096, matrix_snapshot=None,
-        matrix_snapshot_interval=300.0, verify="tree", num_speculative_tokens=80, budget="auto",
+        tree=None, topk=8, matrix_scope="overlay", overlay_rows=4096, salt_matrices=16,
+        matrix_snapshot=None, matrix_snapshot_interval=300.0, verify="tree",
+        num_speculative_tokens=80, budget="auto",
     )
     assert config.tree_template().name == "2.2.2" and config.tree_template().num_nodes == 80
     assert config.draft_template().name == "2.2.2" and config.draft_template().num_nodes == 80
@@ -77,8 +78,26 @@ def test_topk_larger_than_the_vocabulary():
 def test_matrix_scope(value):
     refused(
         f'speculative_config["matrix_scope"] = {value!r} is not valid: '
-        "expected one of 'shared', 'per_request', 'overlay'",
+        "expected one of 'shared', 'per_request', 'overlay', 'salt'",
         matrix_scope=value,
+    )
+
+
+@pytest.mark.parametrize("value", [0, -1, 4097, 2.0, True, "8", None])
+def test_salt_matrices(value):
+    refused(
+        f'speculative_config["salt_matrices"] = {value!r} is not valid: '
+        "expected an integer from 1 to 4096",
+        matrix_scope="salt", salt_matrices=value,
+    )
+    assert parse(matrix_scope="salt", salt_matrices=4096).salt_matrices == 4096
+
+
+def test_salt_matrices_need_the_salt_scope():
+    refused(
+        'speculative_config["salt_matrices"] = 4 is not valid: it only applies to matrix_scope '
+        "'salt', not 'overlay'",
+        salt_matrices=4,
     )
 
 
@@ -180,7 +199,7 @@ def test_tree_from_a_file(tmp_path):
 def test_unknown_key():
     refused(
         "speculative_config has unknown key(s) 'draft_model', 'top_k' for method 'recycling'; "
-        "allowed keys: method, tree, topk, matrix_scope, overlay_rows, matrix_snapshot, "
+        "allowed keys: method, tree, topk, matrix_scope, overlay_rows, salt_matrices, matrix_snapshot, "
         "matrix_snapshot_interval, verify, num_speculative_tokens, budget",
         top_k=8, draft_model="x",
     )
@@ -222,7 +241,7 @@ def test_snapshot_not_there_yet_starts_cold(tmp_path):
     )
     refused(
         f'speculative_config["matrix_snapshot"] = {str(path)!r} is not valid: a snapshot holds '
-        "the shared matrix; it needs matrix_scope 'shared' or 'overlay'",
+        "the shared matrix; it needs matrix_scope 'shared', 'overlay' or 'salt'",
         matrix_snapshot=str(path), matrix_scope="per_request",
     )
 

@@ -185,6 +185,40 @@ def test_preempted_requests_resume_identically(tiny_model, tiny_base, scope):
         assert pool == (1, 15)
 
 
+def test_salt_scope_isolates_tenants_and_stays_exact(tiny_model, tiny_base):
+    """matrix_scope="salt" with 2 salt matrices and 3 salts in one batch of 12: salts A and B
+    take the matrices, C drafts nothing until one is free, unsalted requests use the shared
+    matrix; every output stays exact. Afterwards, requests of salt A alone change A's matrix
+    and nothing else: B's and the shared matrix are bit for bit as they were."""
+    import torch
+
+    spec = {**RECYCLING, "matrix_scope": "salt", "salt_matrices": 2}
+    salts = ["A", "B", "C", None]
+    prompts = [
+        {**p, "cache_salt": salts[i % 4]} if salts[i % 4] else p for i, p in enumerate(TINY_PROMPTS)
+    ]
+
+    def matrices(w):
+        m = w.model_runner.drafter.matrix
+        v = m.vocab_size
+        return [m.table[i * v : (i + 1) * v].clone() for i in range(3)], dict(m._salt_matrix)
+
+    with engine(tiny_model, speculative_config=spec, disable_log_stats=False) as llm:
+        out = token_ids(llm.generate(prompts, greedy(), use_tqdm=False))
+        counters = spec_counters(llm)
+        (before, owners) = llm.collective_rpc(matrices)[0]
+        only_a = [{**p, "cache_salt": "A"} for p in random_prompts(3, seed=9, vocab_size=TINY_VOCAB)]
+        llm.generate(only_a, greedy(16), use_tqdm=False)
+        (after, owners_after) = llm.collective_rpc(matrices)[0]
+    assert check_greedy_identity(tiny_base["greedy"], out)["near_ties"] == []
+    assert counters["drafts"] > 0 and counters["accepted"] > 0
+    assert set(owners) == {"A", "B"} or set(owners) == {"A", "C"} or set(owners) == {"B", "C"}
+    assert all(int((t != 0).any(1).sum()) > 0 for t in before)  # every matrix learned
+    a = owners_after["A"]
+    assert not torch.equal(before[a], after[a])
+    assert all(torch.equal(before[i], after[i]) for i in range(3) if i != a)
+
+
 def test_trees_cut_by_the_token_budget_stay_exact(tiny_model, tiny_base):
     """A step budget of 256 tokens holds three 81-row trees and part of a fourth: the scheduler
     cuts the last scheduled request's tree to a breadth-first prefix and leaves the rest of the
@@ -215,3 +249,19 @@ def test_snapshot_saved_at_shutdown_and_loaded_at_start(tiny_model, tmp_path):
     with engine(tiny_model, speculative_config=spec) as llm:
         (start,) = llm.collective_rpc(lambda w: w.model_runner.drafter.matrix.view().clone())
     assert torch.equal(start, saved)
+
+
+def test_start_after_a_kill_during_a_snapshot_save(tiny_model, tmp_path):
+    """The engine that starts after a process was SIGKILLed mid-save loads the last complete
+    snapshot and removes the half-written temporary file."""
+    import torch
+
+    from engines import kill_during_snapshot_save
+
+    path = tmp_path / "adj.safetensors"
+    first, temporaries = kill_during_snapshot_save(path, TINY_VOCAB, 8)
+    assert len(temporaries) == 1
+    spec = {**RECYCLING, "matrix_snapshot": str(path), "matrix_snapshot_interval": 0}
+    with engine(tiny_model, speculative_config=spec) as llm:
+        (start,) = llm.collective_rpc(lambda w: w.model_runner.drafter.matrix.view().clone())
+        assert torch.equal(start, first) and not temporaries[0].exists()

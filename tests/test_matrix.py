@@ -225,3 +225,107 @@ def test_probabilities_beside_the_ids_shared_and_overlay():
     assert tokens.tolist() == [[1, 3, 0], [1, 2, 0]]
     assert conf.tolist() == [[1.0, 0.75, 0.25], [1.0, 0.5, 0.25]]
     assert AdjacencyMatrix(4, 2).probs is None  # not kept unless asked
+
+
+# -- salt scope: tenants keyed by cache_salt -----------------------------------------------------
+
+def _salted(salt_matrices: int = 2, with_probs: bool = False) -> AdjacencyMatrix:
+    return AdjacencyMatrix(16, 2, scope="salt", max_requests=8, overlay_rows=4,
+                           salt_matrices=salt_matrices, with_probs=with_probs)
+
+
+def test_salt_scope_layout_and_matrices():
+    m = _salted(with_probs=True)
+    assert m.table.shape == (16 * 3 + 8 * 4 + 1, 2) and m.probs.shape == m.table.shape
+    assert m.keys.shape == (8 * 4 + 1,)
+    m.allocate("x")  # no salt: the shared matrix
+    m.allocate("a1", "A")
+    m.allocate("b1", "B")
+    m.allocate("a2", "A")
+    assert [m.matrix_of(r) for r in ("x", "a1", "b1", "a2")] == [0, 1, 2, 1]
+    assert m.slots(["b1", "x"]).tolist() == [[2, 2], [0, 0]]
+    row_base, overlay = m.lookup(m.slots(["b1", "x"]))
+    assert row_base.tolist() == [32, 0] and overlay.offset == 48 and overlay.key_base.tolist() == [8, 0]
+
+
+def test_salts_never_read_each_others_rows_and_same_salt_shares():
+    """a1 (salt A) learns 5 -> 7, b1 (salt B) 5 -> 9, x (no salt) 5 -> 11. A request drafts from
+    its own rows first (the overlay), then its salt's matrix: a2, a new request of salt A, sees
+    A's 7; b2 (salt B) B's 9; y (no salt) the shared 11; z (salt C, never written) the zeros."""
+    from vllm_recycling.tree import compile_tree
+
+    m = _salted(salt_matrices=3)
+    for r, salt in (("a1", "A"), ("b1", "B"), ("x", None)):
+        m.allocate(r, salt)
+    m.update(torch.tensor([[5], [5], [5]]), _rows(16, [7, 9, 11]), m.slots(["a1", "b1", "x"]))
+    for r, salt in (("a2", "A"), ("b2", "B"), ("y", None), ("z", "C")):
+        m.allocate(r, salt)
+    chain = compile_tree([[0]], topk=1)
+    drafted = m.draft(torch.tensor([5] * 4), chain, m.slots(["a2", "b2", "y", "z"]))
+    assert drafted[:, 1].tolist() == [7, 9, 11, 0]
+    assert m.view("a2")[5].tolist() == [7, 0] and m.view("b2")[5].tolist() == [9, 0]
+    assert m.table[5].tolist() == [11, 0] and m.view("z").eq(0).all()
+
+
+def test_salt_eviction_least_recently_used_idle_starts_cold():
+    m = _salted(salt_matrices=2)
+    m.allocate("a1", "A")
+    m.allocate("b1", "B")
+    m.update(torch.tensor([[5], [5]]), _rows(16, [7, 9]), m.slots(["a1", "b1"]))
+    m.free("a1")
+    m.free("b1")
+    m.allocate("b2", "B")  # B used last: A is the least recently used
+    m.allocate("c1", "C")  # evicts A (idle), its matrix zeroed
+    assert m.matrix_of("c1") == 1 and m.view("c1").eq(0).all()
+    assert m.view("b2")[5].tolist() == [9, 0]
+    m.free("c1")
+    m.allocate("a3", "A")  # A comes back cold, in C's matrix (B is held by b2)
+    assert m.matrix_of("a3") == 1 and m.view("a3").eq(0).all()
+
+
+def test_salt_without_a_free_matrix_drafts_nothing_writes_nothing_then_gets_one():
+    """Both matrices are held by live requests: d1 (salt D) gets NO_MATRIX; its verified rows
+    go to the scratch row (no other tenant's matrix changes) and to its own overlay entries.
+    Once a's request ends, the next allocate gives D a matrix (cold)."""
+    from vllm_recycling.matrix import NO_MATRIX
+
+    m = _salted(salt_matrices=2)
+    m.allocate("a1", "A")
+    m.allocate("b1", "B")
+    m.allocate("d1", "D")
+    assert m.matrix_of("d1") == NO_MATRIX
+    before = m.table[: 16 * 3].clone()
+    m.update(torch.tensor([[5]]), _rows(16, [7]), m.slots(["d1"]))
+    assert torch.equal(m.table[: 16 * 3], before)
+    assert m.table[-1].tolist() == [7, 0]  # the scratch row
+    m.free("a1")
+    m.allocate("d1")  # a step later: retried
+    assert m.matrix_of("d1") == 1 and m.view("d1").eq(0).all()
+    m.free("d1")
+    m.free("b1")
+    assert m._salt_users == [0, 0, 0]
+
+
+def test_salt_scope_snapshot_holds_only_the_shared_rows(tmp_path):
+    m = _salted()
+    m.allocate("a1", "A")
+    m.update(torch.tensor([[5]]), _rows(16, [7]), m.slots(["a1"]))
+    m.save(tmp_path / "adj.safetensors")
+    assert load_snapshot(tmp_path / "adj.safetensors", 16, 2).eq(0).all()
+    with pytest.raises(ValueError, match="salt_matrices >= 1"):
+        AdjacencyMatrix(16, 2, scope="salt", max_requests=1, salt_matrices=0)
+
+
+def test_snapshot_survives_sigkill_during_a_save(tmp_path):
+    """A process killed mid-save leaves the previous snapshot whole (saves write a temporary
+    file and rename it over the snapshot); the half-written temporary is removed later."""
+    from engines import kill_during_snapshot_save
+
+    from vllm_recycling.matrix import remove_stale_temporaries
+
+    path = tmp_path / "adj.safetensors"
+    first, temporaries = kill_during_snapshot_save(path, 64, 4)
+    assert len(temporaries) == 1 and temporaries[0].stat().st_size > 0
+    assert torch.equal(load_snapshot(path, 64, 4), first)
+    assert remove_stale_temporaries(path) == temporaries and not temporaries[0].exists()
+    assert list(tmp_path.iterdir()) == [path]

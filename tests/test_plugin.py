@@ -58,6 +58,29 @@ def test_register_applies_every_patch_once():
         assert not hasattr(owner.__dict__[attr].__wrapped__, patches._MARK)
 
 
+def test_cache_salt_reaches_the_workers_in_extra_args():
+    """The engine core's Request gets its own SamplingParams copy carrying the salt; a
+    SamplingParams shared by several prompts is left as it was; a client's own value under the
+    key is dropped."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    from vllm_recycling.matrix import CACHE_SALT_KEY
+
+    plugin.register()
+    shared = SamplingParams(max_tokens=4, extra_args={"mine": 1})
+    salted = Request("a", [1, 2], shared, None, cache_salt="tenant-1")
+    plain = Request("b", [1, 2], shared, None)
+    assert salted.sampling_params.extra_args == {"mine": 1, CACHE_SALT_KEY: "tenant-1"}
+    assert salted.sampling_params.max_tokens == 4
+    assert plain.sampling_params is shared and shared.extra_args == {"mine": 1}
+    spoofed = SamplingParams(max_tokens=4, extra_args={CACHE_SALT_KEY: "tenant-2"})
+    assert Request("c", [1], spoofed, None).sampling_params.extra_args == {}
+    assert Request("d", [1], spoofed, None, cache_salt="t3").sampling_params.extra_args == {
+        CACHE_SALT_KEY: "t3"
+    }
+
+
 def test_register_on_other_vllm_stays_inactive_and_refuses_only_recycling(monkeypatch):
     """Installed next to another vLLM, the plugin must not stop vLLM from starting: no patch,
     a warning, and an error only for method "recycling"."""
@@ -274,8 +297,8 @@ def test_engine_config(tiny_model):
     )
     assert sc.draft_model_config is config.model_config
     assert config.additional_config["recycling"] == {
-        "tree": None, "topk": 4, "matrix_scope": "overlay", "overlay_rows": 4096, "matrix_snapshot": None,
-        "matrix_snapshot_interval": 300.0,
+        "tree": None, "topk": 4, "matrix_scope": "overlay", "overlay_rows": 4096, "salt_matrices": 16,
+        "matrix_snapshot": None, "matrix_snapshot_interval": 300.0,
         "verify": "chain", "num_speculative_tokens": 3, "budget": "auto",
     }
     assert config.scheduler_config.async_scheduling is False
@@ -288,7 +311,8 @@ def test_engine_config_tree_default(tiny_model):
     config = EngineArgs(tiny_model, **ENGINE, speculative_config=RECYCLING).create_engine_config()
     assert config.speculative_config.num_speculative_tokens == 80  # the nodes of "2.2.2"
     assert config.additional_config["recycling"] == {
-        "tree": None, "topk": 8, "matrix_scope": "overlay", "overlay_rows": 4096, "matrix_snapshot": None,
+        "tree": None, "topk": 8, "matrix_scope": "overlay", "overlay_rows": 4096, "salt_matrices": 16,
+        "matrix_snapshot": None,
         "matrix_snapshot_interval": 300.0,
         "verify": "tree", "num_speculative_tokens": 80, "budget": "auto",
     }

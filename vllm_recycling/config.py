@@ -18,7 +18,13 @@ from typing import Any, Mapping
 
 import torch
 
-from vllm_recycling.matrix import DEFAULT_OVERLAY_ROWS, SCOPES, SnapshotError, load_snapshot
+from vllm_recycling.matrix import (
+    DEFAULT_OVERLAY_ROWS,
+    DEFAULT_SALT_MATRICES,
+    SCOPES,
+    SnapshotError,
+    load_snapshot,
+)
 from vllm_recycling.tree import (
     DEFAULT_TREE,
     MAX_DEPTH,
@@ -34,6 +40,7 @@ ADDITIONAL_CONFIG_KEY = "recycling"
 VERIFY_MODES = ("chain", "tree")
 BUDGETS = ("auto", "fixed")
 MAX_TOPK = 64
+MAX_SALT_MATRICES = 4096
 DEFAULT_TOPK = 8
 DEFAULT_CHAIN_LENGTH = 6
 
@@ -59,9 +66,14 @@ class RecyclingConfig:
         Checked against topk when given; verify="chain" does not use it.
     topk: successors kept per matrix row (1..64).
     matrix_scope: "overlay" (default: the shared matrix, read through each request's own most
-        recent rows) | "shared" (one matrix, never reset) | "per_request" (one per live request).
-    overlay_rows: matrix_scope="overlay": rows each request keeps of its own (a power of two,
-        16..65536); a token's row lives at entry token % overlay_rows, the latest verified wins.
+        recent rows) | "shared" (one matrix, never reset) | "per_request" (one per live request)
+        | "salt" (as overlay, but requests with a ``cache_salt`` read and write their salt's own
+        matrix: tenants never see each other's entries; requests without one use the shared).
+    overlay_rows: matrix_scope="overlay" or "salt": rows each request keeps of its own (a power
+        of two, 16..65536); a token's row lives at entry token % overlay_rows, the latest
+        verified wins.
+    salt_matrices: matrix_scope="salt": matrices kept for salts (1..4096), each [V, topk] on
+        the device; a new salt evicts the least recently used one no live request holds.
     matrix_snapshot: a file for the shared matrix: loaded at start-up when it exists (else the
         matrix starts from zeros; its folder must exist), saved there atomically every
         matrix_snapshot_interval seconds and when the engine shuts down. None: no file.
@@ -81,6 +93,7 @@ class RecyclingConfig:
     topk: int = DEFAULT_TOPK
     matrix_scope: str = "overlay"
     overlay_rows: int = DEFAULT_OVERLAY_ROWS
+    salt_matrices: int = DEFAULT_SALT_MATRICES
     matrix_snapshot: str | None = None
     matrix_snapshot_interval: float = 300.0
     verify: str = "tree"
@@ -95,6 +108,15 @@ class RecyclingConfig:
         rows = self.overlay_rows
         if not _is_int(rows) or not 16 <= rows <= 65536 or rows & (rows - 1):
             raise _field_error("overlay_rows", rows, "expected a power of two from 16 to 65536")
+        salts = self.salt_matrices
+        if not _is_int(salts) or not 1 <= salts <= MAX_SALT_MATRICES:
+            raise _field_error(
+                "salt_matrices", salts, f"expected an integer from 1 to {MAX_SALT_MATRICES}"
+            )
+        if salts != DEFAULT_SALT_MATRICES and self.matrix_scope != "salt":
+            raise _field_error(
+                "salt_matrices", salts, f"it only applies to matrix_scope 'salt', not {self.matrix_scope!r}"
+            )
         if self.matrix_snapshot is not None:
             if not isinstance(self.matrix_snapshot, str):
                 raise _field_error(
@@ -103,7 +125,8 @@ class RecyclingConfig:
             if self.matrix_scope == "per_request":
                 raise _field_error(
                     "matrix_snapshot", self.matrix_snapshot,
-                    "a snapshot holds the shared matrix; it needs matrix_scope 'shared' or 'overlay'",
+                    "a snapshot holds the shared matrix; it needs matrix_scope 'shared', 'overlay' "
+                    "or 'salt'",
                 )
             folder = Path(self.matrix_snapshot).expanduser().absolute().parent
             if not folder.is_dir():

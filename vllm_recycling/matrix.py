@@ -15,6 +15,16 @@ reads and writes:
   ``overlay_rows * (k + 1) * 4`` bytes whatever the vocabulary (144 KiB at 4096 rows, k = 8).
   Table layout: ``[V + slots * R + 1, k]``: shared rows, then each slot's R entries, then one
   scratch row that absorbs the writes a later row of the same step overrides.
+- ``salt``: tenant isolation, keyed by vLLM's per-request ``cache_salt`` (the key that already
+  isolates prefix caching). As overlay, but a request with a salt reads and writes its salt's
+  own ``[V, k]`` matrix instead of the shared one: requests with the same salt share what they
+  learn, requests with different salts never read each other's entries, and requests without
+  a salt use the shared matrix. ``salt_matrices`` matrices exist (layout ``[V * (1 + S) +
+  slots * R + 1, k]``); a new salt takes an unused one or evicts the least recently used salt
+  that no live request holds, and its matrix starts from zeros (a salted tenant never reads
+  what the shared matrix or a snapshot learned from others). While every salt matrix is held
+  by live requests, a request of yet another salt drafts nothing (plain decoding, still
+  exact), its rows are written to the scratch row, and it gets a matrix as soon as one is free.
 
 Initial content: every entry is token 0. A draft is only a guess, so any initial value is
 lossless; 0 is a valid id for every vocabulary, costs nothing to write, and matches the paper's
@@ -27,6 +37,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -34,7 +45,11 @@ import torch
 from vllm_recycling.kernels.draft_tree import Overlay
 from vllm_recycling.kernels.topk_update import topk_update
 
-SCOPES = ("shared", "per_request", "overlay")
+SCOPES = ("shared", "per_request", "overlay", "salt")
+DEFAULT_SALT_MATRICES = 16
+# Where the engine core records a request's cache_salt for the workers (SamplingParams.extra_args).
+CACHE_SALT_KEY = "vllm_recycling.cache_salt"
+NO_MATRIX = -1  # salt scope: a request whose salt has no matrix yet (drafts nothing)
 DEFAULT_OVERLAY_ROWS = 4096
 SNAPSHOT_FORMAT = "vllm-recycling-adjacency"
 SNAPSHOT_VERSION = "1"
@@ -62,6 +77,7 @@ class AdjacencyMatrix:
         initial: torch.Tensor | None = None,
         overlay_rows: int = DEFAULT_OVERLAY_ROWS,
         with_probs: bool = False,
+        salt_matrices: int = DEFAULT_SALT_MATRICES,
     ) -> None:
         if scope not in SCOPES:
             raise ValueError(f"matrix scope {scope!r}: expected one of {', '.join(SCOPES)}")
@@ -69,8 +85,10 @@ class AdjacencyMatrix:
             raise ValueError(f"need vocab_size >= 1 and 1 <= topk <= vocab_size, got {vocab_size}, {topk}")
         if scope != "shared" and max_requests < 1:
             raise ValueError(f"{scope} scope needs max_requests >= 1, got {max_requests}")
-        if scope == "overlay" and (overlay_rows < 1 or overlay_rows & (overlay_rows - 1)):
+        if scope in ("overlay", "salt") and (overlay_rows < 1 or overlay_rows & (overlay_rows - 1)):
             raise ValueError(f"overlay_rows must be a power of two, got {overlay_rows}")
+        if scope == "salt" and salt_matrices < 1:
+            raise ValueError(f"salt scope needs salt_matrices >= 1, got {salt_matrices}")
         self.vocab_size = vocab_size
         self.topk = topk
         self.scope = scope
@@ -79,10 +97,15 @@ class AdjacencyMatrix:
         self.initial = torch.zeros((vocab_size, topk), dtype=torch.int32, device=device)
         if initial is not None:
             self.initial.copy_(_checked(initial, vocab_size, topk, "initial matrix"))
-        self.overlay_rows = overlay_rows if scope == "overlay" else 0
-        self.keys: torch.Tensor | None = None  # overlay: [slots * R + 1] int32, -1 = empty
-        if scope == "overlay":
-            extra = torch.zeros((slots * overlay_rows + 1, topk), dtype=torch.int32, device=device)
+        has_overlay = scope in ("overlay", "salt")
+        self.overlay_rows = overlay_rows if has_overlay else 0
+        self.salt_matrices = salt_matrices if scope == "salt" else 0
+        self.keys: torch.Tensor | None = None  # overlay, salt: [slots * R + 1] int32, -1 = empty
+        if has_overlay:
+            extra = torch.zeros(
+                (self.salt_matrices * vocab_size + slots * overlay_rows + 1, topk),
+                dtype=torch.int32, device=device,
+            )
             self.table = torch.cat([self.initial, extra])
             self.keys = torch.full((slots * overlay_rows + 1,), -1, dtype=torch.int32, device=device)
         else:
@@ -94,49 +117,106 @@ class AdjacencyMatrix:
             self.probs = torch.zeros(self.table.shape, dtype=torch.float16, device=device)
         self._free = list(range(slots - 1, -1, -1))
         self._slot_of: dict[str, int] = {}
+        # salt scope: salt -> its matrix (1..S), least recently used first; live requests per
+        # matrix; each request's salt and matrix (0: the shared one, NO_MATRIX: none free yet).
+        self._salt_matrix: OrderedDict[str, int] = OrderedDict()
+        self._salt_users = [0] * (self.salt_matrices + 1)
+        self._request_salt: dict[str, str | None] = {}
+        self._matrix_of: dict[str, int] = {}
 
     @property
     def device(self) -> torch.device:
         return self.table.device
 
     # -- slots -----------------------------------------------------------------------------------
-    def allocate(self, request_id: str) -> int:
-        """Give a request its slot (per_request: a fresh one, reset to the initial matrix)."""
+    def allocate(self, request_id: str, salt: str | None = None) -> int:
+        """Give a request its slot (per_request: a fresh one, reset to the initial matrix;
+        salt scope: also its salt's matrix, see ``matrix_of``)."""
         if self.scope == "shared":
             return 0
         if request_id in self._slot_of:
+            if self._matrix_of.get(request_id) == NO_MATRIX:
+                self._take_salt_matrix(request_id, self._request_salt[request_id])  # retry
             return self._slot_of[request_id]
         if not self._free:
             raise MatrixPoolExhausted(
                 f"all {len(self._slot_of)} per-request matrices are in use; raise max_requests"
             )
         slot = self._free.pop()
-        if self.scope == "overlay":  # an empty cache: every key misses
+        if self.keys is not None:  # an empty cache: every key misses
             self.keys[slot * self.overlay_rows : (slot + 1) * self.overlay_rows] = -1
         else:
             self.table[slot * self.vocab_size : (slot + 1) * self.vocab_size] = self.initial
             if self.probs is not None:
                 self.probs[slot * self.vocab_size : (slot + 1) * self.vocab_size] = 0
         self._slot_of[request_id] = slot
+        if self.scope == "salt":
+            self._request_salt[request_id] = salt
+            self._take_salt_matrix(request_id, salt)
         return slot
+
+    def _take_salt_matrix(self, request_id: str, salt: str | None) -> None:
+        """salt scope: the matrix of the request's salt: the shared one without a salt, the
+        salt's own when it has one, else an unused one or the least recently used one no live
+        request holds (reset to zeros: the evicted salt starts cold if it comes back), else
+        NO_MATRIX for now."""
+        if salt is None:
+            index = 0
+        elif salt in self._salt_matrix:
+            index = self._salt_matrix[salt]
+            self._salt_matrix.move_to_end(salt)
+        else:
+            index = NO_MATRIX
+            if len(self._salt_matrix) < self.salt_matrices:
+                index = len(self._salt_matrix) + 1
+            else:
+                idle = next((s for s, i in self._salt_matrix.items() if not self._salt_users[i]), None)
+                if idle is not None:
+                    index = self._salt_matrix.pop(idle)
+                    rows = slice(index * self.vocab_size, (index + 1) * self.vocab_size)
+                    self.table[rows] = 0
+                    if self.probs is not None:
+                        self.probs[rows] = 0
+            if index != NO_MATRIX:
+                self._salt_matrix[salt] = index
+        if index != NO_MATRIX:
+            self._salt_users[index] += 1
+        self._matrix_of[request_id] = index
+
+    def matrix_of(self, request_id: str) -> int:
+        """salt scope: the index of the matrix a request reads and writes (0: the shared one,
+        1..salt_matrices: a salt's, NO_MATRIX: its salt has none yet, it drafts nothing);
+        0 for the other scopes."""
+        return self._matrix_of.get(request_id, 0)
 
     def free(self, request_id: str) -> None:
         """Return a finished request's slot to the pool (a no-op for shared scope or unknown ids)."""
         slot = self._slot_of.pop(request_id, None)
         if slot is not None:
             self._free.append(slot)
+        index = self._matrix_of.pop(request_id, NO_MATRIX)
+        self._request_salt.pop(request_id, None)
+        if index != NO_MATRIX:
+            self._salt_users[index] -= 1
 
     def slots(self, request_ids: list[str]) -> torch.Tensor | None:
-        """[B] int64 slot of each request (allocated), on the table's device; None for the
-        shared scope. What ``draft`` and ``update`` take."""
+        """[B] int64 slot of each request (allocated), on the table's device; salt scope:
+        [B, 2], the slot and ``matrix_of``; None for the shared scope. What ``draft`` and
+        ``update`` take."""
         if self.scope == "shared":
             return None
+        if self.scope == "salt":
+            pairs = [(self._slot_of[r], self._matrix_of[r]) for r in request_ids]
+            return torch.tensor(pairs, dtype=torch.int64, device=self.device).reshape(-1, 2)
         return torch.tensor([self._slot_of[r] for r in request_ids], dtype=torch.int64, device=self.device)
 
     def view(self, request_id: str | None = None) -> torch.Tensor:
-        """The [V, k] matrix of a request under per_request scope, else the shared one."""
-        slot = self._slot_of[request_id] if self.scope == "per_request" else 0
-        return self.table[slot * self.vocab_size : (slot + 1) * self.vocab_size]
+        """The [V, k] matrix of a request under per_request and salt scope, else the shared one."""
+        if self.scope == "per_request":
+            index = self._slot_of[request_id]
+        else:
+            index = max(self.matrix_of(request_id), 0) if request_id is not None else 0
+        return self.table[index * self.vocab_size : (index + 1) * self.vocab_size]
 
     def lookup(self, slots: torch.Tensor | None):
         """What the draft kernels take for requests in ``slots`` [B] (None: shared):
@@ -148,7 +228,12 @@ class AdjacencyMatrix:
             return None, None
         if self.scope == "per_request":
             return slots * self.vocab_size, None
-        return None, Overlay(self.keys, slots * self.overlay_rows, self.vocab_size, self.overlay_rows)
+        offset = (1 + self.salt_matrices) * self.vocab_size
+        if self.scope == "salt":
+            return slots[:, 1] * self.vocab_size, Overlay(
+                self.keys, slots[:, 0] * self.overlay_rows, offset, self.overlay_rows
+            )
+        return None, Overlay(self.keys, slots * self.overlay_rows, offset, self.overlay_rows)
 
     def draft(
         self, roots: torch.Tensor, tree, slots: torch.Tensor | None = None, with_probs: bool = False,
@@ -177,6 +262,8 @@ class AdjacencyMatrix:
         tokens = tokens.long()
         row_base, overlay = self.lookup(slots)
         rows = tokens if row_base is None else tokens + row_base[:, None]
+        if self.scope == "salt":  # requests without a matrix write to the scratch row
+            rows = torch.where(row_base[:, None] < 0, self.table.shape[0] - 1, rows)
         if overlay is None:
             return topk_update(logits, rows.reshape(-1), self.table, probs=self.probs)
         top = torch.empty((logits.shape[0], self.topk), dtype=torch.int32, device=self.device)
@@ -201,7 +288,8 @@ class AdjacencyMatrix:
 
     # -- snapshots -------------------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
-        """Write the shared matrix atomically (temp file + rename) as a .safetensors snapshot."""
+        """Write the shared matrix atomically (temp file + rename) as a .safetensors snapshot
+        (salt scope: the salts' matrices are not saved)."""
         if self.scope == "per_request":
             raise SnapshotError("snapshots hold the shared matrix; scope is per_request")
         from safetensors.torch import save_file
@@ -214,15 +302,36 @@ class AdjacencyMatrix:
             "vocab_size": str(self.vocab_size),
             "topk": str(self.topk),
         }
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_temp_prefix(path), suffix=".tmp")
         os.close(fd)
         try:
             shared = self.table[: self.vocab_size]
             save_file({SNAPSHOT_KEY: shared.cpu().contiguous()}, tmp, metadata=meta)
+            with open(tmp, "rb") as f:  # on disk before it replaces the previous snapshot
+                os.fsync(f.fileno())
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+
+
+def remove_stale_temporaries(path: str | Path) -> list[Path]:
+    """Delete the temporary files that saves of snapshot ``path`` left behind when their
+    process was killed mid-write (the snapshot itself is never partial: a save renames a
+    complete file over it). Called at start-up; returns what it deleted."""
+    path = Path(path)
+    removed = []
+    for tmp in path.parent.glob(f"{_temp_prefix(path)}*.tmp"):
+        try:
+            tmp.unlink()
+            removed.append(tmp)
+        except OSError:
+            pass
+    return removed
+
+
+def _temp_prefix(path: Path) -> str:
+    return f".{path.name}."
 
 
 def load_snapshot(path: str | Path, vocab_size: int, topk: int) -> torch.Tensor:

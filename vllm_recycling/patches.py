@@ -33,6 +33,8 @@ How ``method="recycling"`` runs, and what vLLM does for it without a patch:
   the other two.
 - ``SaveSnapshotAtShutdown`` writes the matrix snapshot when a worker stops.
 - ``ProfileStepCost`` times forward passes at start-up for the adaptive budget's cost model.
+- ``TagCacheSalt`` hands each request's ``cache_salt`` to the workers, for
+  ``matrix_scope="salt"``.
 - ``ExpandOnCPU`` fixes a vLLM 0.32 CPU bug in ``rejection_sampler.expand_batch_to_tokens``
   that breaks every speculative method (ngram and suffix included) in a batch with a sampled
   request. It applies whenever the plugin is installed on vLLM 0.32, so it changes those
@@ -70,6 +72,7 @@ private ``_get_attn_isa`` and ``_custom_ops.cpu_attn_reshape_and_cache``, which
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import time
@@ -78,6 +81,7 @@ from typing import Any, Callable
 import torch
 
 from vllm_recycling.cpu_kv import read_positions
+from vllm_recycling.matrix import CACHE_SALT_KEY
 from vllm_recycling.proposer import RecyclingProposer
 from vllm_recycling.tree_verify import ACTIVE_STEP, tree_attention
 
@@ -466,6 +470,48 @@ class ExpandOnCPU(MethodPatch):
         return expand_batch_to_tokens
 
 
+class TagCacheSalt(MethodPatch):
+    """``Request.__init__`` (v1/request.py:61-185), in the engine core: every request, from
+    ``Request.from_engine_core_request`` (v1/request.py:246-270).
+
+    vLLM keeps a request's ``cache_salt`` (request.py:185) in the scheduler, for its prefix-cache
+    block hashes; the workers never see it: ``NewRequestData`` (v1/core/sched/output.py:40-75)
+    carries the ``sampling_params`` but no salt. The wrapper writes the salt into a copy of the
+    request's ``SamplingParams`` as ``extra_args[matrix.CACHE_SALT_KEY]``
+    (sampling_params.py:412: free-form arguments for plugins), which reaches the model runner's
+    ``requests[req_id].sampling_params``; ``matrix_scope="salt"`` reads it there
+    (``RecyclingProposer.set_batch``). A value a client put under that key itself is dropped,
+    so nobody can claim another tenant's salt without knowing it. The copy leaves a
+    ``SamplingParams`` that callers share across prompts untouched.
+    """
+
+    name = "tag_cache_salt"
+
+    @staticmethod
+    def target():
+        from vllm.v1.request import Request
+
+        return Request, "__init__"
+
+    @staticmethod
+    def wrap(original):
+        def __init__(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            params = self.sampling_params
+            if params is None:
+                return
+            extra = params.extra_args or {}
+            if self.cache_salt is None and CACHE_SALT_KEY not in extra:
+                return
+            params = copy.copy(params)
+            params.extra_args = {k: v for k, v in extra.items() if k != CACHE_SALT_KEY}
+            if self.cache_salt is not None:
+                params.extra_args[CACHE_SALT_KEY] = self.cache_salt
+            self.sampling_params = params
+
+        return __init__
+
+
 def _recycling_drafter(runner) -> RecyclingProposer | None:
     drafter = getattr(runner, "drafter", None)
     return drafter if isinstance(drafter, RecyclingProposer) else None
@@ -486,7 +532,7 @@ def _kv_caches(runner) -> list[torch.Tensor]:
 
 PATCHES: tuple[type[MethodPatch], ...] = (
     TranslateRecyclingSpecConfig, TreePositions, TreeAttentionCPU, VerifyTree,
-    SaveSnapshotAtShutdown, ProfileStepCost, ExpandOnCPU,
+    SaveSnapshotAtShutdown, ProfileStepCost, ExpandOnCPU, TagCacheSalt,
 )
 
 

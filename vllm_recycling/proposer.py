@@ -47,7 +47,12 @@ PROFILE_MAX_TOKENS = 512
 PROFILE_REPEATS = 3
 LOG_INTERVAL_S = 30.0
 from vllm_recycling.config import RecyclingConfig, RecyclingConfigError
-from vllm_recycling.matrix import AdjacencyMatrix
+from vllm_recycling.matrix import (
+    CACHE_SALT_KEY,
+    NO_MATRIX,
+    AdjacencyMatrix,
+    remove_stale_temporaries,
+)
 from vllm_recycling.tree_verify import ACTIVE_STEP, ChainPlan, TreeLayout, TreeStep, choose_paths
 
 logger = logging.getLogger("vllm.plugins.vllm_recycling")
@@ -72,10 +77,13 @@ class RecyclingProposer:
             initial=self.config.initial_matrix(vocab_size),
             overlay_rows=self.config.overlay_rows,
             with_probs=self.config.budget == "auto",
+            salt_matrices=self.config.salt_matrices,
         )
         # The request ids of the current step's batch, in batch order (per_request, overlay).
         self._batch_req_ids: list[str] = []
         self._slot_holders: set[str] = set()
+        # salt scope: each request's cache_salt (patches.TagCacheSalt puts it in extra_args).
+        self._salt_of: dict[str, str | None] = {}
         self._num_slots = vllm_config.scheduler_config.max_num_seqs
         self.vllm_config = vllm_config
         # Tree mode: the template's index tensors.
@@ -85,6 +93,9 @@ class RecyclingProposer:
         # Tree mode: per request of the current batch, True when it gets no drafts (set_batch).
         self._no_tree: list[bool] = []
         self._last_save = time.monotonic()
+        if self.config.matrix_snapshot is not None and _is_first_rank():
+            for tmp in remove_stale_temporaries(self.config.matrix_snapshot):
+                logger.warning("recycling: removed %s, left by a snapshot save that was killed", tmp)
         # budget="auto" (vllm_recycling.budget): what each request was sent, as template node
         # ids (breadth-first) and their confidence bins, for the calibration to learn from.
         self.auto = self.config.budget == "auto"
@@ -184,7 +195,7 @@ class RecyclingProposer:
         if self.matrix.scope != "shared":
             self._assign_slots(self._batch_req_ids, set(live_req_ids))
             rows = torch.tensor(num_draft_tokens, device=self.matrix.device) + 1
-            slots = self.matrix.slots(self._batch_req_ids).repeat_interleave(rows)
+            slots = self.matrix.slots(self._batch_req_ids).repeat_interleave(rows, dim=0)
         self.matrix.update(tokens[:, None], logits, slots)
 
     def _assign_slots(self, batch: list[str], live: set[str]) -> None:
@@ -198,12 +209,14 @@ class RecyclingProposer:
         idle = [r for r in self._slot_holders if r not in in_batch]
         for req_id in batch:
             if req_id in self._slot_holders:
+                if self.matrix.matrix_of(req_id) == NO_MATRIX:
+                    self.matrix.allocate(req_id)  # salt scope: a matrix may be free now
                 continue
             if len(self._slot_holders) >= self._num_slots and idle:
                 evicted = idle.pop()
                 self.matrix.free(evicted)
                 self._slot_holders.discard(evicted)
-            self.matrix.allocate(req_id)
+            self.matrix.allocate(req_id, self._salt_of.get(req_id))
             self._slot_holders.add(req_id)
 
     # -- step part 2: drafts for the next step ---------------------------------------------------
@@ -226,9 +239,11 @@ class RecyclingProposer:
             self._learn_from_step(sampled_token_ids)
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         no_tree = self._no_tree or [False] * len(sampled_token_ids)
+        salted = self.matrix.scope == "salt"  # a salt without a matrix yet drafts nothing
         active = [
             i for i, sampled in enumerate(sampled_token_ids)
             if sampled and num_tokens_no_spec[i] < self.max_model_len and not no_tree[i]
+            and not (salted and self.matrix.matrix_of(self._batch_req_ids[i]) == NO_MATRIX)
         ]
         if not active:
             return drafts
@@ -321,6 +336,10 @@ class RecyclingProposer:
         for a request with structured output: vLLM advances the grammar along the draft list as
         a chain (v1/structured_output/__init__.py:404-436), which is wrong for siblings."""
         self._batch_req_ids = list(req_ids)
+        if self.matrix.scope == "salt":
+            self._salt_of = {
+                req_id: _cache_salt(sampling_params(req_id)) for req_id in req_ids
+            }
         self._no_tree = [
             getattr(sampling_params(req_id), "structured_outputs", None) is not None
             for req_id in req_ids
@@ -434,6 +453,12 @@ def _with_path_history(sampling, tokens: torch.Tensor, plan: ChainPlan):
     return replace(
         sampling, spec_token_ids=[path_tokens[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
     )
+
+
+def _cache_salt(sampling_params) -> str | None:
+    """The request's ``cache_salt``, as ``patches.TagCacheSalt`` recorded it."""
+    extra = getattr(sampling_params, "extra_args", None) or {}
+    return extra.get(CACHE_SALT_KEY)
 
 
 def _tensor_parallel_mean():

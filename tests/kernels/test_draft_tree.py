@@ -83,6 +83,23 @@ def test_overlay_matches_reference(device, spec, batch):
         assert not torch.equal(plain, want)
 
 
+@pytest.mark.parametrize("batch", [1, 5])
+def test_salt_matrices_under_the_overlay_match_reference(device, batch):
+    """matrix_scope="salt": each request reads its overlay entry where the key holds the token,
+    else its salt's matrix (row_base, one of 3 matrices of 12 rows) instead of the shared one."""
+    tree = _tree("2.2.2", 8, device)
+    vocab, salts, slots, size = 12, 3, 3, 4
+    g = torch.Generator().manual_seed(batch)
+    table, roots, overlay = _overlay_case(vocab, 8, batch, slots, size, device, seed=batch)
+    matrices = torch.randint(0, vocab, ((salts - 1) * vocab, 8), generator=g, dtype=torch.int32)
+    table = torch.cat([table[:vocab], matrices.to(device), table[vocab:]])
+    overlay = overlay._replace(offset=salts * vocab)
+    base = (torch.randint(0, salts, (batch,), generator=g) * vocab).to(device)
+    got = dt.draft_tree_triton(table, roots, tree.rank_path, tree.depth, base, overlay=overlay)
+    want = dt.draft_tree_reference(table, roots, tree.parent, tree.rank, tree.level_starts, base, overlay)
+    assert torch.equal(got, want)
+
+
 def test_overlay_by_hand():
     """Shared: 1 -> 2, 2 -> 3. Request 0's overlay (size 2) holds token 2 -> 0 at entry 0;
     request 1's holds nothing. Chain of 3 from root 1: request 0 reads 1 -> 2 (shared, key miss),

@@ -62,10 +62,11 @@ def test_stop_strings_cut_where_they_do_without_speculation(tiny_base, recycled)
 
 
 def test_sampled_distribution_equals_no_speculation(tiny_base, recycled):
-    """The joint distribution of the first tokens of SAMPLED_REQUESTS seeded requests
-    (temperature 1, top-k 4, top-p 0.95, presence penalty) with recycling against without:
-    the path is chosen from the logits before any draw, and vLLM's rejection sampler verifies
-    it, so the two must agree (two-sample chi-square, p = 0.001)."""
+    """The joint distribution of the first tokens of SAMPLED_REQUESTS requests (temperature 1,
+    top-k 4, top-p 0.95, presence penalty) with recycling against without: each sampled
+    request walks its tree by drawing children from q (the target restricted to the children),
+    and vLLM's rejection sampler verifies the path with q as draft probabilities, so the two
+    must agree (two-sample chi-square, p = 0.001)."""
     stat, df = chi_square(tiny_base["sampled"], recycled["sampled"])
     accepted = recycled["counters"]["accepted"]
     print(f"\nsampled: chi-square {stat:.1f} on {df} degrees of freedom "
@@ -80,6 +81,54 @@ def test_chi_square_sees_a_biased_sampler(tiny_base):
     shifted = [(t[1], t[0], *t[2:]) for t in tiny_base["sampled"]]  # first two tokens swapped
     stat, df = chi_square(tiny_base["sampled"], shifted)
     assert stat > 10 * chi_square_critical(df)
+
+
+def test_chi_square_sees_a_biased_tree_rule(tiny_model, tiny_base, monkeypatch):
+    """The same test through the engine fails for a biased tree rule: each sampled request
+    walks to a child drawn uniformly (q at temperature x 100) and its draft probabilities are
+    shrunk so that vLLM accepts every drafted child."""
+    import vllm_recycling.proposer as proposer
+
+    choose, probabilities = proposer.choose_paths, proposer.draft_probabilities
+
+    def uniform_walk(step, logits, tokens, starts, temperature=None, uniform=None):
+        hot = None if temperature is None else temperature * 100
+        return choose(step, logits, tokens, starts, hot, uniform)
+
+    monkeypatch.setattr(proposer, "choose_paths", uniform_walk)
+    monkeypatch.setattr(proposer, "draft_probabilities", lambda *a: probabilities(*a) * 1e-3)
+    with engine(tiny_model, speculative_config=RECYCLING, disable_log_stats=False) as llm:
+        llm.generate(TINY_PROMPTS, greedy(), use_tqdm=False)  # a hot matrix, as in the suite
+        draws = token_ids(llm.generate([TINY_PROMPTS[0]] * SAMPLED_REQUESTS,
+                                       sampled_params([None] * SAMPLED_REQUESTS), use_tqdm=False))
+        assert spec_counters(llm)["accepted"] > 0
+    stat, df = chi_square(tiny_base["sampled"], [tuple(d) for d in draws])
+    print(f"\nbiased tree rule: chi-square {stat:.1f} on {df} degrees of freedom "
+          f"(critical {chi_square_critical(df):.1f})")
+    assert stat > chi_square_critical(df)
+
+
+def test_seeded_requests_repeat_and_survive_chunked_prefill(tiny_model):
+    """Seeded sampled requests whose prompts are prefilled in chunks (vLLM 0.32 on the CPU
+    killed the engine there: ``patches.SeededChunkedPrefillOnCPU``): without speculation their
+    tokens are those of an unchunked run; with recycling, two fresh engines give the same
+    tokens, sampled walks through the trees included."""
+    from vllm import SamplingParams
+
+    prompts = random_prompts(4, seed=11, vocab_size=TINY_VOCAB, lengths=(150, 200))
+    params = [SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=s, ignore_eos=True)
+              for s in (1, 2, 3, 4)]
+    runs = []
+    for spec, budget in ((None, 64), (None, None), (RECYCLING, 128), (RECYCLING, 128)):
+        extra = {} if budget is None else {"max_num_batched_tokens": budget, "max_num_seqs": 4}
+        if spec is not None:
+            extra["speculative_config"] = spec
+        with engine(tiny_model, disable_log_stats=False, **extra) as llm:
+            runs.append(token_ids(llm.generate(prompts, params, use_tqdm=False)))
+            if spec is not None:
+                assert spec_counters(llm)["accepted"] > 0
+    assert runs[0] == runs[1]
+    assert runs[2] == runs[3]
 
 
 def test_mixed_greedy_and_sampled_batch(tiny_base, tiny_recycling):

@@ -5,7 +5,14 @@ import pytest
 import torch
 
 from vllm_recycling.tree import compile_tree
-from vllm_recycling.tree_verify import ChainPlan, TreeLayout, TreeStep, choose_paths, tree_attention
+from vllm_recycling.tree_verify import (
+    ChainPlan,
+    TreeLayout,
+    TreeStep,
+    choose_paths,
+    draft_probabilities,
+    tree_attention,
+)
 
 # root -> a(0), b(1); a -> c(0,0), d(0,1); c -> e(0,0,0). Breadth-first: 0 root, 1 a, 2 b, 3 c,
 # 4 d, 5 e. Depths 0 1 1 2 2 3.
@@ -142,6 +149,42 @@ def test_choose_paths(layout):
     # equal logits: the lower rank; then a's children c, d tie too: c; then e
     path = choose_paths(step, torch.zeros(11, vocab), tokens, starts)
     assert path.tolist() == [[1, 3, 5], [1, 3, -1]]
+
+
+def test_choose_paths_sampled_draws_from_the_children(layout):
+    """Request 0 is sampled (T = 0.5): under the root q over a (token 1), b (token 2) is
+    softmax([log 0.2, log 0.6] / 0.5) = (0.1, 0.9); uniform 0.05 takes a, then a's children c
+    (token 3) and d (token 3 as well: counted once) give q = (1, 0), then e. Request 1 is greedy:
+    the argmax walk, q = 0. Uniform 0.5 at the root takes b, a leaf."""
+    import math
+
+    tokens = torch.tensor([9, 1, 2, 3, 3, 5, 9, 1, 2, 3, 4, 5])
+    logits = torch.zeros(12, 10)
+    logits[0, 1], logits[0, 2] = math.log(0.2), math.log(0.6)
+    logits[6, 2] = 1.0  # request 1 (greedy) prefers b
+    step = plan(layout, [5, 5], [0, 6, 12], [20, 30])
+    starts = torch.tensor([0, 6])
+    temperature = torch.tensor([0.5, 0.0])
+    uniform = torch.tensor([[0.05, 0.99, 0.5], [0.0, 0.0, 0.0]])
+    path, q, q_tokens = choose_paths(step, logits, tokens, starts, temperature, uniform)
+    assert path.tolist() == [[1, 3, 5], [2, -1, -1]]
+    assert torch.allclose(q[0, 0, :2], torch.tensor([0.1, 0.9]))
+    assert q[0, 1].tolist() == [1.0, 0.0] and q_tokens[0, 1].tolist() == [3, 3]
+    assert q[0, 2, 0] == 1.0 and q[1].eq(0).all()
+    uniform[0, 0] = 0.5
+    path, q, _ = choose_paths(step, logits, tokens, starts, temperature, uniform)
+    assert path.tolist() == [[2, -1, -1], [2, -1, -1]] and q[0, 1:].eq(0).all()
+
+    # the chain's draft probabilities: request 0's path rows carry q, request 1's a one-hot
+    path, q, q_tokens = choose_paths(step, logits, tokens, starts, temperature,
+                                     torch.tensor([[0.05, 0.5, 0.5], [0.0, 0.0, 0.0]]))
+    plan_ = ChainPlan.build(step, path, np.array([5, 5]), np.array([0, 6]), "cpu")
+    drafts = tokens[plan_.draft_rows]
+    assert drafts.tolist() == [1, 3, 5, 2]
+    probs = draft_probabilities(plan_, step, drafts, q, q_tokens, 10)
+    want = torch.zeros(4, 10)
+    want[0, 1], want[0, 2], want[1, 3], want[2, 5], want[3, 2] = 0.1, 0.9, 1.0, 1.0, 1.0
+    assert torch.allclose(probs, want)
 
 
 def test_choose_paths_reads_only_the_rows_of_a_cut_tree(layout):

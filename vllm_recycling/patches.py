@@ -33,6 +33,9 @@ How ``method="recycling"`` runs, and what vLLM does for it without a patch:
   the other two.
 - ``SaveSnapshotAtShutdown`` writes the matrix snapshot when a worker stops.
 - ``ProfileStepCost`` times forward passes at start-up for the adaptive budget's cost model.
+- ``SeededChunkedPrefillOnCPU`` fixes a vLLM 0.32 CPU bug that kills the engine when a
+  seeded request's prompt is prefilled in chunks (any method, or none); speculation makes
+  chunking common. Like ``ExpandOnCPU`` it applies whenever the plugin is installed.
 - ``TagCacheSalt`` hands each request's ``cache_salt`` to the workers, for
   ``matrix_scope="salt"``.
 - ``ExpandOnCPU`` fixes a vLLM 0.32 CPU bug in ``rejection_sampler.expand_batch_to_tokens``
@@ -78,6 +81,7 @@ import logging
 import time
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from vllm_recycling.cpu_kv import read_positions
@@ -470,6 +474,51 @@ class ExpandOnCPU(MethodPatch):
         return expand_batch_to_tokens
 
 
+class SeededChunkedPrefillOnCPU(MethodPatch):
+    """``GPUModelRunner.sample_tokens`` (v1/worker/gpu_model_runner.py:4304-4480), inherited by
+    ``CPUModelRunner``.
+
+    A vLLM 0.32 bug on the CPU, for every request with a ``seed`` whose prompt is prefilled in
+    more than one step (chunked prefill): a partial prefill's sampled token is discarded
+    (``discard_request_mask``, set at 2056-2061), and ``_bookkeeping_sync`` (3495-3502) then
+    rewinds the request's generator with ``gen.set_offset(gen.get_offset() - 4)``, which only
+    CUDA's Philox generators have: on a CPU generator it raises "CPU Generator does not use
+    offset" and the engine dies, with or without speculation (measured: tiny-random,
+    max_num_batched_tokens=64, a 150-token prompt, seed=1). Speculation makes it common, since
+    drafts take the step's token budget and prompts get chunked. On CPU runners the wrapper takes
+    the generators of the step's discarded requests out of ``input_batch.generators`` for the
+    call (the dict ``SamplingMetadata.generators`` holds, gpu_input_batch.py:940: the discarded
+    draw uses the global generator, and nothing is rewound), and puts them back, each with the
+    state it had before, so seeded requests repeat as they do on a GPU.
+    """
+
+    name = "seeded_chunked_prefill_on_cpu"
+
+    @staticmethod
+    def target():
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        return GPUModelRunner, "sample_tokens"
+
+    @staticmethod
+    def wrap(original):
+        def sample_tokens(self, grammar_output):
+            batch = self.input_batch
+            if self.device.type != "cpu" or not batch.generators or self.execute_model_state is None:
+                return original(self, grammar_output)
+            discarded = np.flatnonzero(self.discard_request_mask.np[: batch.num_reqs])
+            held = {int(i): batch.generators.pop(int(i)) for i in discarded if int(i) in batch.generators}
+            states = {i: gen.get_state() for i, gen in held.items()}
+            try:
+                return original(self, grammar_output)
+            finally:
+                for i, gen in held.items():
+                    gen.set_state(states[i])
+                    batch.generators[i] = gen
+
+        return sample_tokens
+
+
 class TagCacheSalt(MethodPatch):
     """``Request.__init__`` (v1/request.py:61-185), in the engine core: every request, from
     ``Request.from_engine_core_request`` (v1/request.py:246-270).
@@ -532,7 +581,7 @@ def _kv_caches(runner) -> list[torch.Tensor]:
 
 PATCHES: tuple[type[MethodPatch], ...] = (
     TranslateRecyclingSpecConfig, TreePositions, TreeAttentionCPU, VerifyTree,
-    SaveSnapshotAtShutdown, ProfileStepCost, ExpandOnCPU, TagCacheSalt,
+    SaveSnapshotAtShutdown, ProfileStepCost, ExpandOnCPU, SeededChunkedPrefillOnCPU, TagCacheSalt,
 )
 
 

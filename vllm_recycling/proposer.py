@@ -53,7 +53,14 @@ from vllm_recycling.matrix import (
     AdjacencyMatrix,
     remove_stale_temporaries,
 )
-from vllm_recycling.tree_verify import ACTIVE_STEP, ChainPlan, TreeLayout, TreeStep, choose_paths
+from vllm_recycling.tree_verify import (
+    ACTIVE_STEP,
+    ChainPlan,
+    TreeLayout,
+    TreeStep,
+    choose_paths,
+    draft_probabilities,
+)
 
 logger = logging.getLogger("vllm.plugins.vllm_recycling")
 
@@ -411,7 +418,19 @@ class RecyclingProposer:
         logits_start = np.cumsum(num_draft + 1) - (num_draft + 1)
         device = logits.device
         starts = torch.from_numpy(logits_start[step.req_index_np]).to(device)
-        path = choose_paths(step, logits, tokens, starts)
+        temperature = None
+        if not sampling_metadata.all_greedy:  # sampled requests walk their trees by draws
+            req_index = torch.from_numpy(step.req_index_np).to(device)
+            temperature = sampling_metadata.temperature[req_index]
+            if not bool((temperature > 0).any()):
+                temperature = None
+        if temperature is None:
+            path = choose_paths(step, logits, tokens, starts)
+        else:
+            path, q, q_tokens = choose_paths(
+                step, logits, tokens, starts, temperature,
+                _path_uniforms(step.req_index_np, self.layout.max_depth, sampling_metadata, device),
+            )
         plan = ChainPlan.build(step, path, num_draft, logits_start, device)
         if self._step:  # the local rows of each tree request's path, for the calibration
             self._step["paths"] = {
@@ -426,14 +445,33 @@ class RecyclingProposer:
             bonus_logits_indices=plan.bonus_logits_indices,
             logits_indices=spec_decode_metadata.logits_indices[plan.rows],
         )
+        draft_probs = None
+        if temperature is not None:
+            draft_probs = draft_probabilities(
+                plan, step, chain.draft_token_ids, q, q_tokens, logits.shape[1]
+            )
         sampling = _with_path_history(sampling_metadata, tokens, plan)
-        output = rejection_sampler(chain, None, logits[plan.rows], sampling)
+        output = rejection_sampler(chain, draft_probs, logits[plan.rows], sampling)
         src, dst = plan.compaction(step, output.sampled_token_ids, step.slot_mapping)
         for kv_cache in kv_caches:
             cpu_kv.move_slots(kv_cache, src, dst)
         if self._step:  # tree attention and this, what a step with trees costs more
             self._step["tree_seconds"] = step.tree_seconds + time.perf_counter() - started
         return output
+
+
+def _path_uniforms(req_index: np.ndarray, depth: int, sampling, device) -> torch.Tensor:
+    """[R, depth] uniforms for the sampled walks of the tree requests ``req_index`` (batch
+    indices): from each seeded request's own generator (``sampling.generators``, as vLLM's
+    samplers draw), so that seeded requests repeat; from the global one otherwise."""
+    uniform = torch.rand((len(req_index), depth), device=device)
+    if sampling.generators:
+        position = {int(b): r for r, b in enumerate(req_index)}
+        for b, generator in sampling.generators.items():  # seeded requests only, as vLLM does
+            r = position.get(int(b))
+            if r is not None:
+                uniform[r] = torch.rand(depth, device=device, generator=generator)
+    return uniform
 
 
 def _with_path_history(sampling, tokens: torch.Tensor, plan: ChainPlan):

@@ -348,16 +348,32 @@ def choose_paths(
     logits: torch.Tensor,
     tokens: torch.Tensor,
     logits_start: torch.Tensor,
-) -> torch.Tensor:
+    temperature: torch.Tensor | None = None,
+    uniform: torch.Tensor | None = None,
+):
     """[R, D] int64: local node indices of each tree request's path from the root (excluded)
     down to a leaf of its scheduled tree, -1 padded. logits [rows, V] are vLLM's verification
     logits, tokens [rows] the token fed at each logits row, logits_start [R] the logits row of
-    each request's root (local node j is row logits_start + j). At each node the walk takes the
-    child whose token has the highest logit in the node's row; among equal logits the lower
-    rank."""
+    each request's root (local node j is row logits_start + j).
+
+    Greedy requests: at each node the walk takes the child whose token has the highest logit
+    in the node's row; among equal logits the lower rank.
+
+    With temperature [R] (> 0: a sampled request) and uniform [R, D] (draws in [0, 1)), a
+    sampled request's walk draws each child from ``q = softmax(child logits / T)`` over the
+    node's children (a token held by an earlier sibling too counts once): the target's
+    distribution restricted to the children and renormalised (temperature only; top-k, top-p
+    and penalties are left out, which costs acceptance, never exactness). Verifying the path
+    as a chain with these q as draft probabilities (vLLM's rejection sampler: accept x with
+    min(1, p(x)/q(x)), else draw from (p - q)+) accepts some child with probability
+    sum_c min(p(c), q(c)), which is the children's whole mass under p when q is p restricted,
+    and emits a token distributed as p whatever q is. Returns ``(path, q, q_tokens)`` then:
+    q [R, D, C] float32 (the distribution each path node was drawn from, 0 for greedy requests
+    and past the path) and q_tokens [R, D, C] int64 (the children's tokens)."""
     layout = step.layout
     num_req, width = step.rows.shape
-    j = torch.arange(width, device=logits.device)
+    device = logits.device
+    j = torch.arange(width, device=device)
     last = step.num_rows[:, None] - 1  # padding reads the request's last row
     node_rows = logits_start[:, None] + torch.minimum(j[None, :], last)
     parent_rows = logits_start[:, None] + step.parent
@@ -365,10 +381,17 @@ def choose_paths(
     score = logits[parent_rows, node_tokens].float()  # [R, W]: node's logit under its parent
     score = torch.where(step.valid, score, float("-inf"))
     score[:, 0] = float("-inf")
-    path = torch.full((num_req, layout.max_depth), -1, dtype=torch.int64, device=logits.device)
-    current = torch.zeros(num_req, dtype=torch.int64, device=logits.device)
-    alive = torch.ones(num_req, dtype=torch.bool, device=logits.device)
+    path = torch.full((num_req, layout.max_depth), -1, dtype=torch.int64, device=device)
+    current = torch.zeros(num_req, dtype=torch.int64, device=device)
+    alive = torch.ones(num_req, dtype=torch.bool, device=device)
     num_children = step.children.shape[2]
+    sampled = None
+    if temperature is not None:
+        sampled = temperature > 0
+        inv_t = torch.where(sampled, 1.0 / temperature.clamp(min=1e-6), 0.0).float()[:, None]
+        q_all = torch.zeros((num_req, layout.max_depth, num_children), device=device)
+        q_tokens = torch.zeros(q_all.shape, dtype=torch.int64, device=device)
+        earlier = torch.ones(num_children, num_children, dtype=torch.bool, device=device).tril(-1)
     for level in range(layout.max_depth):
         cand = step.children.gather(1, current[:, None, None].expand(-1, 1, num_children))[:, 0]
         cand_ok = cand >= 0
@@ -376,10 +399,54 @@ def choose_paths(
             cand_ok, score.gather(1, cand.clamp(min=0)), float("-inf")
         )
         best_score, best = cand_score.max(dim=1)  # the first maximum: the lowest rank
-        alive &= cand_ok.any(dim=1) & (best_score > float("-inf"))
+        found = cand_ok.any(dim=1) & (best_score > float("-inf"))
+        if sampled is not None:
+            cand_tok = node_tokens.gather(1, cand.clamp(min=0))
+            repeated = ((cand_tok[:, :, None] == cand_tok[:, None, :]) & earlier & cand_ok[:, None, :]).any(2)
+            z = torch.where(cand_ok & ~repeated, cand_score * inv_t, float("-inf"))
+            q = torch.softmax(torch.where(found[:, None], z, 0.0), dim=1)
+            q = torch.where((z > float("-inf")) & found[:, None], q, 0.0)
+            drawn = (q.cumsum(1) <= uniform[:, level, None]).sum(1)
+            last_ok = (q > 0).long().cumsum(1).argmax(1)  # rounding: u above the total
+            drawn = torch.minimum(drawn, last_ok)
+            best = torch.where(sampled, drawn, best)
+            keep = (sampled & found & alive)[:, None]
+            q_all[:, level] = torch.where(keep, q, 0.0)
+            q_tokens[:, level] = cand_tok
+        alive &= found
         current = torch.where(alive, cand.gather(1, best[:, None])[:, 0], current)
         path[:, level] = torch.where(alive, current, -1)
-    return path
+    if sampled is None:
+        return path
+    return path, q_all, q_tokens
+
+
+def draft_probabilities(
+    plan: "ChainPlan",
+    step: TreeStep,
+    draft_tokens: torch.Tensor,
+    q: torch.Tensor,
+    q_tokens: torch.Tensor,
+    vocab_size: int,
+) -> torch.Tensor:
+    """[sum(L), V] float32 draft probabilities of the chain ``plan`` for vLLM's rejection
+    sampler: one-hot at the draft token (vLLM's own rule for drafts without probabilities:
+    accept x with p(x), else draw from p without x), and for a sampled tree request's path the
+    q it was drawn from (``choose_paths``). draft_tokens [sum(L)] are the chain's drafts."""
+    device = draft_tokens.device
+    num = draft_tokens.shape[0]
+    probs = torch.zeros((num, vocab_size), dtype=torch.float32, device=device)
+    probs[torch.arange(num, device=device), draft_tokens.long()] = 1.0
+    starts = (plan.cu_num_draft_tokens.long() - torch.tensor(plan.num_draft_tokens, device=device))
+    req = torch.from_numpy(step.req_index_np).to(device)
+    mass = q.sum(2)  # [R, D]: 1 where a sampled request's path node was drawn from q
+    r, level = torch.nonzero(mass > 0, as_tuple=True)
+    rows = starts[req[r]] + level
+    probs[rows] = 0.0
+    probs.index_put_(
+        (rows[:, None].expand(-1, q.shape[2]), q_tokens[r, level]), q[r, level], accumulate=True
+    )
+    return probs
 
 
 @dataclass

@@ -184,12 +184,19 @@ def test_aborted_request_leaves_the_others_exact(tiny_base, tiny_recycling):
 
 def test_auto_budget_greedy_identical(tiny_model, tiny_base):
     """The default budget ("auto") sends each request a subset of the tree that changes from
-    step to step, none at all at times."""
+    step to step, none at all at times. Steps without drafts still go through vLLM's rejection
+    sampler, which killed the engine for a request with a top-k and no top-p
+    (``patches.ConstraintsWithoutDrafts``)."""
+    from vllm import SamplingParams
+
     with engine(tiny_model, speculative_config={"method": "recycling"}, disable_log_stats=False) as llm:
         out = token_ids(llm.generate(TINY_PROMPTS, greedy(), use_tqdm=False))
         counters = spec_counters(llm)
+        top_k_only = SamplingParams(max_tokens=20, temperature=1.0, top_k=4, ignore_eos=True)
+        sampled = token_ids(llm.generate(TINY_PROMPTS[:4], top_k_only, use_tqdm=False))
     assert check_greedy_identity(tiny_base["greedy"], out)["near_ties"] == []
     assert counters["drafts"] > 0 and counters["accepted"] > 0
+    assert [len(t) for t in sampled] == [20] * 4
 
 
 @pytest.mark.parametrize("scope,verify", [("per_request", "tree"), ("per_request", "chain"), ("shared", "tree")])

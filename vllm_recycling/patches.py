@@ -33,6 +33,8 @@ How ``method="recycling"`` runs, and what vLLM does for it without a patch:
   the other two.
 - ``SaveSnapshotAtShutdown`` writes the matrix snapshot when a worker stops.
 - ``ProfileStepCost`` times forward passes at start-up for the adaptive budget's cost model.
+- ``ConstraintsWithoutDrafts`` fixes a vLLM 0.32 CPU bug that kills the engine when a step
+  with speculative metadata but no draft token has a request with a top-k and no top-p.
 - ``SeededChunkedPrefillOnCPU`` fixes a vLLM 0.32 CPU bug that kills the engine when a
   seeded request's prompt is prefilled in chunks (any method, or none); speculation makes
   chunking common. Like ``ExpandOnCPU`` it applies whenever the plugin is installed.
@@ -474,6 +476,37 @@ class ExpandOnCPU(MethodPatch):
         return expand_batch_to_tokens
 
 
+class ConstraintsWithoutDrafts(MethodPatch):
+    """``rejection_sampler.apply_sampling_constraints`` (v1/sample/rejection_sampler.py:
+    524-578), called by ``RejectionSampler.forward`` (182) on the draft rows' logits.
+
+    A vLLM 0.32 bug on the CPU, for every speculative method: in a step where the batch has
+    speculative metadata but no draft token (recycling's budget sent none, ngram found no
+    match), a request sampling with a top-k and no top-p makes it call ``apply_top_k_only``
+    (v1/sample/ops/topk_topp_sampler.py:486-489, 517-536) on zero rows, whose ``k.max()``
+    raises "max(): Expected reduction dim to be specified for input.numel() == 0" and kills the
+    engine (measured: tiny-random, ``{"method": "recycling"}``, ``SamplingParams(top_k=4)``).
+    With no rows there is nothing to constrain: the wrapper returns them as they are.
+    """
+
+    name = "constraints_without_drafts"
+
+    @staticmethod
+    def target():
+        from vllm.v1.sample import rejection_sampler
+
+        return rejection_sampler, "apply_sampling_constraints"
+
+    @staticmethod
+    def wrap(original):
+        def apply_sampling_constraints(logits, cu_num_draft_tokens, sampling_metadata):
+            if logits.shape[0] == 0:
+                return logits
+            return original(logits, cu_num_draft_tokens, sampling_metadata)
+
+        return apply_sampling_constraints
+
+
 class SeededChunkedPrefillOnCPU(MethodPatch):
     """``GPUModelRunner.sample_tokens`` (v1/worker/gpu_model_runner.py:4304-4480), inherited by
     ``CPUModelRunner``.
@@ -581,7 +614,8 @@ def _kv_caches(runner) -> list[torch.Tensor]:
 
 PATCHES: tuple[type[MethodPatch], ...] = (
     TranslateRecyclingSpecConfig, TreePositions, TreeAttentionCPU, VerifyTree,
-    SaveSnapshotAtShutdown, ProfileStepCost, ExpandOnCPU, SeededChunkedPrefillOnCPU, TagCacheSalt,
+    SaveSnapshotAtShutdown, ProfileStepCost, ExpandOnCPU, ConstraintsWithoutDrafts,
+    SeededChunkedPrefillOnCPU, TagCacheSalt,
 )
 
 

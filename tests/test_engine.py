@@ -275,6 +275,24 @@ def test_salt_scope_isolates_tenants_and_stays_exact(tiny_model, tiny_base):
     assert all(torch.equal(before[i], after[i]) for i in range(3) if i != a)
 
 
+def test_requests_near_max_model_len_with_the_auto_budget(tiny_model):
+    """A request whose sequence comes within num_speculative_tokens of max_model_len: vLLM 0.32
+    then replaced every request's drafts with 80 zeros, drafts the auto budget never sent (an
+    engine crash). With ``patches.DraftsNearMaxModelLen`` the proposer keeps drafting, the
+    scheduler caps the long request at the context end, and every output stays exact."""
+    prompts = [*TINY_PROMPTS[:3], *random_prompts(1, seed=21, vocab_size=TINY_VOCAB, lengths=(960, 961))]
+    outs = []
+    for spec in (None, {"method": "recycling"}):
+        extra = {} if spec is None else {"speculative_config": spec}
+        with engine(tiny_model, disable_log_stats=False, **extra) as llm:
+            outs.append(llm.generate(prompts, greedy(logprobs=2), use_tqdm=False))
+            counters = spec_counters(llm)
+    assert [len(o.outputs[0].token_ids) for o in outs[1]] == [TINY_TOKENS] * 4  # the last to 1000
+    assert check_greedy_identity(outs[0], token_ids(outs[1]))["near_ties"] == []
+    # without the patch: 156 drafts of 11,037 zeros, none accepted; with it about 4 per draft
+    assert counters["drafts"] > 0 and counters["draft_tokens"] < 20 * counters["drafts"]
+
+
 def test_trees_cut_by_the_token_budget_stay_exact(tiny_model, tiny_base):
     """A step budget of 256 tokens holds three 81-row trees and part of a fourth: the scheduler
     cuts the last scheduled request's tree to a breadth-first prefix and leaves the rest of the

@@ -248,6 +248,15 @@ def test_plan_subtree_cut_by_the_scheduler(layout):
     assert TreeStep.plan(layout, np.array([1]), np.array([0, 2]), np.array([10]), "cpu", nodes) is None
 
 
+def test_plan_verifies_drafts_it_did_not_send_as_chains(layout):
+    """Request 0 was sent nodes [1, 2] but has 4 drafts scheduled (not that decision's): a
+    chain, left out of the tree step; request 1's 2 drafts are its nodes [1, 2], a tree."""
+    nodes = [np.array([1, 2]), np.array([1, 2])]
+    step = TreeStep.plan(layout, np.array([4, 2]), np.array([0, 5, 8]), np.array([5, 9]), "cpu", nodes)
+    assert step.req_index_np.tolist() == [1]
+    assert TreeStep.plan(layout, np.array([4]), np.array([0, 5]), np.array([5]), "cpu", nodes[:1]) is None
+
+
 def test_chain_plan_keeps_chain_requests_whole(layout):
     # request 0 has a chain (a, c) and no tree; request 1 a tree with path b
     nodes = [np.array([1, 3]), None]

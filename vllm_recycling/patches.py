@@ -38,6 +38,8 @@ How ``method="recycling"`` runs, and what vLLM does for it without a patch:
 - ``SeededChunkedPrefillOnCPU`` fixes a vLLM 0.32 CPU bug that kills the engine when a
   seeded request's prompt is prefilled in chunks (any method, or none); speculation makes
   chunking common. Like ``ExpandOnCPU`` it applies whenever the plugin is installed.
+- ``DraftsNearMaxModelLen`` keeps vLLM from replacing the drafts of the whole batch with
+  zeros when one request nears ``max_model_len`` (the drafter runs no model).
 - ``TagCacheSalt`` hands each request's ``cache_salt`` to the workers, for
   ``matrix_scope="salt"``.
 - ``ExpandOnCPU`` fixes a vLLM 0.32 CPU bug in ``rejection_sampler.expand_batch_to_tokens``
@@ -552,6 +554,38 @@ class SeededChunkedPrefillOnCPU(MethodPatch):
         return sample_tokens
 
 
+class DraftsNearMaxModelLen(MethodPatch):
+    """``GPUModelRunner._input_fits_in_drafter`` (v1/worker/gpu_model_runner.py:4288-4301).
+
+    vLLM asks, every step, whether the longest sequence plus ``num_speculative_tokens`` fits
+    in the drafter's context (4380-4384), because a draft model runs that many positions past
+    it. When it does not, vLLM skips the drafter and hands every request of the batch
+    ``num_speculative_tokens`` zero drafts (4454-4462): with the default tree, 80 tokens of
+    token 0 per request, verified at full cost whatever the budget decided, and drafts that
+    ``budget: "auto"`` did not send (an engine crash before ``TreeStep.plan`` learnt to verify
+    unknown drafts as chains). The recycling drafter runs no model: it drafts nothing for a
+    request at ``max_model_len`` and the scheduler caps every request's scheduled tokens at
+    the context end (v1/core/sched/scheduler.py:714-720), so for it the input always fits.
+    """
+
+    name = "drafts_near_max_model_len"
+
+    @staticmethod
+    def target():
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        return GPUModelRunner, "_input_fits_in_drafter"
+
+    @staticmethod
+    def wrap(original):
+        def _input_fits_in_drafter(self, common_attn_metadata):
+            if _recycling_drafter(self) is not None:
+                return True
+            return original(self, common_attn_metadata)
+
+        return _input_fits_in_drafter
+
+
 class TagCacheSalt(MethodPatch):
     """``Request.__init__`` (v1/request.py:61-185), in the engine core: every request, from
     ``Request.from_engine_core_request`` (v1/request.py:246-270).
@@ -615,7 +649,7 @@ def _kv_caches(runner) -> list[torch.Tensor]:
 PATCHES: tuple[type[MethodPatch], ...] = (
     TranslateRecyclingSpecConfig, TreePositions, TreeAttentionCPU, VerifyTree,
     SaveSnapshotAtShutdown, ProfileStepCost, ExpandOnCPU, ConstraintsWithoutDrafts,
-    SeededChunkedPrefillOnCPU, TagCacheSalt,
+    SeededChunkedPrefillOnCPU, DraftsNearMaxModelLen, TagCacheSalt,
 )
 
 

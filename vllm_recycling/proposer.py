@@ -44,6 +44,7 @@ from vllm_recycling.budget import (
 )
 
 PROFILE_MAX_TOKENS = 512
+_NO_NODES = np.zeros(0, dtype=np.int64)
 PROFILE_REPEATS = 3
 LOG_INTERVAL_S = 30.0
 from vllm_recycling.config import RecyclingConfig, RecyclingConfigError
@@ -319,7 +320,8 @@ class RecyclingProposer:
             for i, req_id in enumerate(self._batch_req_ids):  # host bookkeeping of sent drafts
                 n = int(num_draft[i]) if i < len(num_draft) else 0
                 sent = self._sent.get(req_id)
-                if n == 0 or sent is None or i >= len(sampled_token_ids) or not sampled_token_ids[i]:
+                if (n == 0 or sent is None or n > len(sent[0]) or i >= len(sampled_token_ids)
+                        or not sampled_token_ids[i]):
                     continue
                 nodes, node_bins = sent[0][:n], sent[1][:n]
                 accepted = len(sampled_token_ids[i]) - 1
@@ -369,8 +371,8 @@ class RecyclingProposer:
         step = None
         if num_draft_tokens is not None and self.layout is not None:
             nodes = None
-            if self.auto:
-                nodes = [self._sent.get(r, (None,))[0] for r in self._batch_req_ids]
+            if self.auto:  # no record: drafts this proposer did not send (verified as chains)
+                nodes = [self._sent.get(r, (_NO_NODES,))[0] for r in self._batch_req_ids]
             step = TreeStep.plan(
                 self.layout, np.asarray(num_draft_tokens), query_start_loc, num_computed_tokens,
                 self.matrix.device, nodes,

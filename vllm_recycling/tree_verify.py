@@ -144,8 +144,9 @@ class TreeStep:
         step): the runner's host arrays. nodes: per request, the template node ids (root
         excluded, breadth-first, ancestor-closed) of the drafts it was sent, or None for the
         template's first nodes; the scheduler may have kept only the first num_draft_tokens of
-        them, which are ancestor-closed too. Requests whose drafts form a chain (one node per
-        depth) need no tree: vLLM's causal attention and positions are already right for them.
+        them, which are ancestor-closed too. A request with more drafts than its nodes has
+        drafts that did not come from that decision: it is verified as a chain (exact for any
+        tokens). Requests whose drafts form a chain (one node per depth) need no tree: vLLM's causal attention and positions are already right for them.
         None when no request has a branching tree."""
         num_draft = np.asarray(num_draft_tokens, dtype=np.int64)
         if int(num_draft.max(initial=0)) + 1 > layout.num_nodes:
@@ -157,14 +158,18 @@ class TreeStep:
         width = int(num_draft.max(initial=0)) + 1
         node_np = np.zeros((req.size, width), dtype=np.int64)
         j = np.arange(width)
+        unknown = np.zeros(req.size, dtype=bool)
         for i, b in enumerate(req):  # host bookkeeping of the scheduled drafts, per request
             n = int(num_draft[b])
             mine = None if nodes is None else nodes[b]
+            if mine is not None and len(mine) < n:  # not the drafts it was sent: a chain
+                unknown[i] = True
+                continue
             node_np[i, 1 : n + 1] = np.arange(1, n + 1) if mine is None else mine[:n]
         num_rows = num_draft[req] + 1
         valid_np = j[None, :] < num_rows[:, None]
         depth_np = np.where(valid_np, layout.depth_np[node_np], 0)
-        branching = (depth_np != np.where(valid_np, j[None, :], 0)).any(axis=1)
+        branching = (depth_np != np.where(valid_np, j[None, :], 0)).any(axis=1) & ~unknown
         req, node_np, num_rows = req[branching], node_np[branching], num_rows[branching]
         valid_np, depth_np = valid_np[branching], depth_np[branching]
         if req.size == 0:

@@ -29,8 +29,8 @@ import torch
 
 from vllm_recycling.matrix import AdjacencyMatrix
 from vllm_recycling.models import prepare_model
-from vllm_recycling.prompts import chat_prompt_ids, spec_bench_questions
-from vllm_recycling.reference import ReferenceDecoder
+from vllm_recycling.prompts import chat_prompt_ids, seeded_sample, spec_bench_questions
+from vllm_recycling.reference import ReferenceDecoder, SamplingSettings
 from vllm_recycling.tree import load_tree, shipped_trees
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -46,6 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-category", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy; above: sampled, prompt i with seed i (as spec_bench.py)")
+    p.add_argument("--ignore-eos", action="store_true", help="every answer --max-new-tokens long")
+    p.add_argument("--sample-seed", type=int, default=None,
+                   help="draw --per-category questions with this seed, as spec_bench.py --seed "
+                        "does (default: the first of each category)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--jobs", type=int, default=1, help="runs in parallel, one thread each")
     p.add_argument("--out", default=str(RESULTS / "reference_mat"), help="path stem for .json and .md")
@@ -53,13 +59,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="keep the other (tree, start) rows of an existing result with the same settings")
     args = p.parse_args(argv)
 
-    questions = spec_bench_questions(args.questions, args.per_category)
+    if args.sample_seed is None:
+        questions = spec_bench_questions(args.questions, args.per_category)
+    else:
+        questions = seeded_sample(spec_bench_questions(args.questions), args.per_category, args.sample_seed)
     categories = list(dict.fromkeys(q["category"] for q in questions))
     combos = [(t, s) for t in args.trees.split(",") for s in args.starts.split(",")]
     out = Path(args.out)
     runs: list[dict] = []
-    if args.merge and out.with_suffix(".json").exists():
-        runs = [r for r in json.loads(out.with_suffix(".json").read_text())["runs"]
+    if args.merge and out.with_name(out.name + ".json").exists():
+        runs = [r for r in json.loads(out.with_name(out.name + ".json").read_text())["runs"]
                 if (r["tree"], r["start"]) not in combos]
     order = [(r["tree"], r["start"]) for r in runs] + combos
     # Results are written after every finished run, so a long sweep keeps what it has done.
@@ -89,7 +98,8 @@ def _run_star(job):
 
 def _write(args, out: Path, runs: list[dict], categories: list[str], prompts: int) -> str:
     meta = {
-        "benchmark": "reference decoder MAT (greedy, batch 1)",
+        "benchmark": "reference decoder MAT (batch 1)",
+        "temperature": args.temperature, "ignore_eos": args.ignore_eos, "sample_seed": args.sample_seed,
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores"
         if not torch.cuda.is_available() else torch.cuda.get_device_name(),
@@ -100,8 +110,8 @@ def _write(args, out: Path, runs: list[dict], categories: list[str], prompts: in
     }
     table = _markdown(meta, runs, categories)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=2) + "\n")
-    out.with_suffix(".md").write_text(table)
+    out.with_name(out.name + ".json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=2) + "\n")
+    out.with_name(out.name + ".md").write_text(table)
     return table
 
 
@@ -120,7 +130,9 @@ def _run_one(args, questions: list[dict], categories: list[str], combo: tuple[st
     per_prompt, tokens_out, t0 = [], 0, time.time()
     for i, q in enumerate(questions):
         ids = chat_prompt_ids(tokenizer, q["turns"][0])
-        g = decoder.generate(ids, args.max_new_tokens, eos_token_id=tokenizer.eos_token_id)
+        sampling = SamplingSettings(args.temperature, seed=i if args.temperature > 0 else None)
+        eos = None if args.ignore_eos else tokenizer.eos_token_id
+        g = decoder.generate(ids, args.max_new_tokens, eos_token_id=eos, sampling=sampling)
         steps[q["category"]] += g.tokens_per_step
         per_prompt.append(g.mat)
         tokens_out += len(g.tokens)
@@ -135,6 +147,12 @@ def _run_one(args, questions: list[dict], categories: list[str], combo: tuple[st
     }
 
 
+def _decoding(meta: dict) -> str:
+    t = meta.get("temperature", 0.0)
+    how = "greedy" if not t else f"temperature {t:g} (prompt i seeded with i; the tree rule)"
+    return how + (", every answer full length" if meta.get("ignore_eos") else "")
+
+
 def _largest_first(name: str) -> int:
     return -load_tree(name, 64).num_nodes
 
@@ -147,8 +165,10 @@ def _markdown(meta: dict, runs: list[dict], categories: list[str]) -> str:
     lines = [
         f"# Reference decoder MAT, {meta['model']} ({meta['dtype']}), {meta['date']}",
         "",
-        f"{meta['machine']}; greedy, batch 1, top-k {meta['topk']}; {meta['prompts']} prompts "
-        f"({meta['questions']}, {meta['per_category']} per category, turns[0], chat template), "
+        f"{meta['machine']}; {_decoding(meta)}, batch 1, top-k {meta['topk']}; {meta['prompts']} "
+        f"prompts ({meta['questions']}, {meta['per_category']} per category"
+        f"{'' if meta.get('sample_seed') is None else ' drawn with seed %d' % meta['sample_seed']}"
+        ", turns[0], chat template), "
         f"{meta['max_new_tokens']} new tokens; {meta['jobs']} run(s) in parallel (the seconds "
         "column is wall time of each run). MAT = tokens per verification step, bonus included "
         "(pooled over steps); hot = one matrix kept across prompts in file order, cold = fresh "

@@ -8,8 +8,9 @@ the same prompts, model and machine in one invocation.
 
 Prompts: the shipped Spec-Bench sample (4 questions in each of 13 categories), ``turns[0]``
 with the model's chat template; ``--per-category`` of each category drawn with ``--seed``
-(``--held-out`` takes the questions that draw leaves out). Greedy, up to ``--max-tokens`` new
-tokens, sent one at a time (batch 1) in file order.
+(``--held-out`` takes the questions that draw leaves out). Greedy (``--temperature`` T > 0:
+sampled, prompt i with seed i), up to ``--max-tokens`` new tokens (exactly that many with
+``--ignore-eos``), sent one at a time (batch 1) in file order.
 
 Methods: no speculation; vLLM's ``ngram`` with vLLM's own defaults and with a setting tuned on
 the held-out prompts (any ``ngram:k=K:min=A:max=B`` can be named, and any recycling config as
@@ -125,7 +126,12 @@ def run_method(args) -> dict:
     spec = speculative_config(args.worker)
     llm = LLM(model, dtype="float32", enforce_eager=True, max_model_len=2048, seed=0,
               disable_log_stats=False, speculative_config=spec)
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    # Sampled runs: prompt i draws with seed i, so every method answers the same requests.
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                            ignore_eos=args.ignore_eos)
+    prompt_params = [params if args.temperature == 0 else params.clone() for _ in prompts]
+    for i, sp in enumerate(prompt_params):
+        sp.seed = i if args.temperature > 0 else None
     # Warm-up on a prompt outside the sample, so a hot matrix starts cold at the first prompt
     # measured only up to these few tokens.
     llm.generate([{"prompt_token_ids": chat_prompt_ids(tokenizer, "Hello!")}],
@@ -139,10 +145,10 @@ def run_method(args) -> dict:
             warm_up["prompts"] += 1
             warm_up["tokens"] += len(out.outputs[0].token_ids)
     per_category: dict[str, dict[str, float]] = {}
-    for q, p in zip(tqdm(questions, desc=args.worker, unit="prompt"), prompts):
+    for q, p, sp in zip(tqdm(questions, desc=args.worker, unit="prompt"), prompts, prompt_params):
         c0 = spec_decode_counters(llm)
         start = time.perf_counter()
-        out = llm.generate([p], params, use_tqdm=False)[0]
+        out = llm.generate([p], sp, use_tqdm=False)[0]
         seconds = time.perf_counter() - start
         c1 = spec_decode_counters(llm)
         cat = per_category.setdefault(q["category"], dict.fromkeys(
@@ -189,6 +195,9 @@ def main() -> None:
     parser.add_argument("--held-out", action="store_true",
                         help="the questions the seeded draw leaves out (for tuning)")
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0: greedy; above: sampled, prompt i with seed i")
+    parser.add_argument("--ignore-eos", action="store_true", help="every answer --max-tokens long")
     parser.add_argument("--tag", default="cpu")
     parser.add_argument("--plot-only", action="store_true",
                         help="redraw the plot from the existing results file")
@@ -217,7 +226,9 @@ def main() -> None:
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             cmd = [sys.executable, __file__, "--worker", method, "--out", f.name,
                    "--model", args.model, "--per-category", str(args.per_category),
-                   "--seed", str(args.seed), "--max-tokens", str(args.max_tokens)]
+                   "--seed", str(args.seed), "--max-tokens", str(args.max_tokens),
+                   "--temperature", str(args.temperature)]
+            cmd += ["--ignore-eos"] if args.ignore_eos else []
             cmd += ["--questions", args.questions] if args.questions else []
             cmd += ["--held-out"] if args.held_out else []
             subprocess.run(cmd, check=True)
@@ -231,6 +242,8 @@ def main() -> None:
                     f"per category drawn with seed {args.seed} ({len(questions)} prompts)"),
         "question_ids": [q["question_id"] for q in questions],
         "max_tokens": args.max_tokens,
+        "ignore_eos": args.ignore_eos,
+        "temperature": args.temperature,
         "batch": 1,
         "results": rows,
     }
@@ -287,7 +300,7 @@ def markdown(report: dict) -> str:
              f"{report['date']}; {report['machine']}; LD_PRELOAD {report.get('ld_preload', 'none')}; "
              f"vLLM {report['vllm']}; {report['model']} "
              f"{report['dtype']}; {report['prompts']}; up to {report['max_tokens']} new tokens; "
-             f"greedy; batch 1. Command: `{report['command']}`.", "",
+             f"{_decoding(report)}; batch 1. Command: `{report['command']}`.", "",
              _table(rows, base), ""]
     warm = [r for r in rows if r.get("warm_up", {}).get("prompts")]
     if warm:
@@ -301,6 +314,12 @@ def markdown(report: dict) -> str:
         lines.append(f"| {r['method']} | " + " | ".join(
             f"{r['per_category'][c]['tokens_per_step']:.2f}" for c in categories) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _decoding(report: dict) -> str:
+    t = report.get("temperature", 0.0)
+    how = "greedy" if not t else f"temperature {t:g} (prompt i seeded with i)"
+    return how + ("; every answer full length (ignore_eos)" if report.get("ignore_eos") else "")
 
 
 def _table(rows, base=None) -> str:
@@ -338,7 +357,7 @@ def plot(report: dict, path: Path) -> None:
         ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8,
                 color="black" if v > middle else "white")
     ax.set_title(f"Tokens per step on Spec-Bench, {report['model']}, vLLM {report['vllm']}, "
-                 f"greedy, batch 1, up to {report['max_tokens']} new tokens", fontsize=10)
+                 f"{_decoding(report)}, batch 1, up to {report['max_tokens']} new tokens", fontsize=10)
     fig.colorbar(image, ax=ax, fraction=0.03, pad=0.02)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

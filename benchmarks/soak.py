@@ -1,0 +1,878 @@
+"""Soak test of vLLM's OpenAI server with Token Recycling: a long, seeded mix of requests
+against servers with speculation and one without, greedy answers compared token by token.
+
+    python benchmarks/soak.py                                  # 1000 requests, the default config
+    python benchmarks/soak.py --requests 200 --spec '{"method": "recycling", "matrix_scope": "salt"}' \\
+        --out soak_cpu_salt
+    python benchmarks/soak.py --spec '{"method": "recycling"}' \\
+        --spec '{"method": "recycling", "budget": "fixed"}'   # two speculative servers
+
+One ``vllm-recycling serve tiny-random`` server per ``--spec`` (its ``--speculative-config``)
+and one without speculation start side by side, all with the arguments of
+tests/test_server.py (``--dtype float32 --enforce-eager --max-model-len 1024``,
+``VLLM_CPU_KVCACHE_SPACE=1``). Each server in turn, the speculative ones first, gets the same
+``--requests`` requests drawn with ``--seed``, in the same order, from ``--concurrency`` clients
+(``httpx``, a connection per request): greedy and sampled (temperature 1, a seed, top-p, top-k,
+``n`` up to 3), streaming and not, completions (token-id prompts) and chat, logprobs, stop
+strings, ``max_tokens`` 1, prompts of 900-1000 tokens up to the end of the context, a
+``cache_salt`` from three tenants on a third of them, clients that close a stream after a few
+chunks, clients that give up on a long answer after a short timeout (a fast server may answer
+some of them in full first), and bad input (vLLM must answer it with its usual 4xx).
+
+Every greedy answer of a speculative server must have the token ids of the no-speculation
+server's. A random-weight model in float32 has exact near-ties that a different batch or step
+shape can flip: a divergence passes only where the no-speculation answer's top-2 logprobs at
+the first differing token are within 1e-4 and the other answer took the other one
+(``near_ties``). Every HTTP status is counted; no 5xx is allowed. At the end every server must
+answer ``/health`` and one more greedy request. The resident memory of each server's process
+group (API server, engine core, worker: the sum of their VmRSS) is sampled every
+``--rss-interval`` seconds under its own load; the report gives it once 10% of the requests
+have completed (warm), once half have, and after the last one (end).
+
+Writes ``benchmarks/results/<--out>.{json,md}``; exits with status 1 if a check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from spec_bench import RESULTS, run_header  # noqa: E402
+
+MODEL = "tiny-random"
+VOCAB = 1024  # vllm_recycling.models.TINY_VOCAB_SIZE
+MAX_MODEL_LEN = 1024
+SERVER_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN)]
+SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+DEFAULT_SPEC = '{"method": "recycling"}'
+BASELINE = "no speculation"
+START_TIMEOUT_S = 300
+REQUEST_TIMEOUT_S = 300
+NEAR_TIE = 1e-4
+WARM_FRACTION = 0.1
+TENANTS = ("tenant-a", "tenant-b", "tenant-c")
+STOP_STRINGS = ("e", "the", ".", "in", " a")
+
+# The request kinds and their share of the mix (bad input comes on top, see build_plan).
+KINDS = {
+    "completion": 0.17,    # greedy, token-id prompt
+    "chat": 0.15,          # greedy, chat
+    "stop": 0.07,          # greedy, stop strings (completion or chat, as the kinds below)
+    "one token": 0.05,     # greedy, max_tokens 1
+    "long prompt": 0.06,   # greedy, 900-1000 prompt tokens, max_tokens up to the context's end
+    "sampled": 0.24,       # temperature 1, seeded, top-p / top-k, n 1-3
+    "sampled long": 0.03,  # temperature 1, seeded, 900-1000 prompt tokens
+    "disconnect": 0.13,    # a stream the client closes after 1-3 chunks
+    "abort": 0.10,         # non-streaming, the client gives up after 0.1-0.5 s
+}
+GREEDY_KINDS = ("completion", "chat", "stop", "one token", "long prompt")
+
+
+def _bad_inputs() -> list[tuple[str, str, dict | bytes, int]]:
+    """(name, path, body (bytes: sent as they are), the status vLLM answers) per bad input."""
+    def completion(**body):
+        return {"model": MODEL, "prompt": [7, 8], "max_tokens": 4, **body}
+
+    def chat(**body):
+        return {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, **body}
+
+    full = [7] * MAX_MODEL_LEN
+    c, cc = "/v1/completions", "/v1/chat/completions"
+    return [
+        ("token id >= vocab", c, completion(prompt=[5000]), 400),
+        ("negative token id", c, completion(prompt=[7, -1]), 400),
+        ("empty prompt", c, completion(prompt=""), 400),
+        ("empty token list", c, completion(prompt=[]), 400),
+        ("max_tokens > context", c, completion(max_tokens=5000), 400),
+        ("prompt > context", c, completion(prompt=[*full, 7], max_tokens=1), 400),
+        ("prompt fills context", c, completion(prompt=full, max_tokens=1), 400),
+        ("chat max_tokens > context", cc, chat(max_tokens=5000), 400),
+        ("chat no messages", cc, chat(messages=[]), 400),
+        ("malformed JSON", c, b'{"model": "tiny-random", "prompt": [5,', 400),
+        ("chat malformed JSON", cc, b'{"model": "tiny-random", "messages": [', 400),
+        ("unknown model", c, completion(model="no-such-model"), 404),
+        ("chat unknown model", cc, chat(model="no-such-model"), 404),
+        ("logprobs > 20", c, completion(logprobs=50), 400),
+        ("negative temperature", c, completion(temperature=-1), 400),
+    ]
+
+
+BAD_INPUTS = _bad_inputs()
+EXPECTED_STATUS = {name: status for name, _, _, status in BAD_INPUTS}
+
+
+@dataclass
+class Request:
+    """One request of the plan; ``body`` is sent as JSON (bytes: as they are)."""
+
+    index: int
+    kind: str
+    path: str
+    body: dict | bytes
+    stream: bool = False
+    action: str = "complete"  # "complete" | "disconnect" (after `chunks`) | "abort" (after `timeout` s)
+    chunks: int = 0
+    timeout: float = REQUEST_TIMEOUT_S
+    expect_status: int = 200
+
+    @property
+    def greedy(self) -> bool:
+        return self.kind in GREEDY_KINDS
+
+
+def _corpus_sentences() -> list[str]:
+    from importlib.resources import files
+
+    text = (files("vllm_recycling.configs") / "tiny_corpus.txt").read_text(encoding="utf-8")
+    return [s.strip() + "." for s in re.split(r"\.\s+", text) if len(s.strip()) > 20]
+
+
+def build_plan(n: int, seed: int) -> list[Request]:
+    """``n`` requests drawn with ``seed``: 5% bad input (each case at least once, evenly
+    spread), the rest drawn from KINDS by weight."""
+    rng = random.Random(seed)
+    sentences = _corpus_sentences()
+    n_bad = min(n, max(len(BAD_INPUTS), round(0.05 * n)))
+    bad_at = {round((i + 0.5) * n / n_bad): BAD_INPUTS[i % len(BAD_INPUTS)] for i in range(n_bad)}
+    kinds, weights = zip(*KINDS.items(), strict=True)
+    plan = []
+    for index in range(n):
+        if index in bad_at:
+            name, path, body, status = bad_at[index]
+            plan.append(Request(index, f"bad: {name}", path, body, expect_status=status))
+        else:
+            plan.append(_draw(index, rng.choices(kinds, weights)[0], rng, sentences))
+    return plan
+
+
+def _token_prompt(rng: random.Random, low: int, high: int) -> list[int]:
+    return [rng.randrange(3, VOCAB) for _ in range(rng.randint(low, high))]
+
+
+def _messages(rng: random.Random, sentences: list[str]) -> list[dict]:
+    start = rng.randrange(len(sentences))
+    messages = [{"role": "user", "content": " ".join(sentences[start:start + rng.randint(1, 4)])}]
+    if rng.random() < 0.3:
+        messages.insert(0, {"role": "system", "content": "You are a helpful assistant."})
+    return messages
+
+
+def _draw(index: int, kind: str, rng: random.Random, sentences: list[str]) -> Request:
+    chat = kind == "chat" or (kind not in ("completion", "long prompt", "sampled long") and rng.random() < 0.45)
+    stream = rng.random() < 0.5
+    if kind in GREEDY_KINDS:
+        body = {"temperature": 0, "ignore_eos": True, "return_tokens_as_token_ids": True,
+                "return_token_ids": True}
+        if kind == "long prompt":
+            prompt = _token_prompt(rng, 900, 1000)
+            room = MAX_MODEL_LEN - len(prompt)
+            body["max_tokens"] = room if rng.random() < 0.3 else rng.randint(1, min(24, room))
+        else:
+            prompt = _token_prompt(rng, 4, 128)
+            body["max_tokens"] = 1 if kind == "one token" else rng.randint(8, 48)
+        if kind == "stop":
+            body["stop"] = rng.sample(STOP_STRINGS, rng.randint(1, 2))
+        if kind == "completion" and rng.random() < 0.25:
+            body.update(repetition_penalty=1.3, frequency_penalty=0.4)
+    elif kind in ("sampled", "sampled long"):
+        body = {"temperature": 1.0, "top_p": rng.choice((0.8, 0.95, 1.0)), "top_k": rng.choice((-1, 4, 50)),
+                "n": rng.choice((1, 1, 2, 3)) if kind == "sampled" else 1, "max_tokens": rng.randint(4, 32),
+                "seed": rng.randrange(2**31)}
+        if kind == "sampled":
+            prompt = _token_prompt(rng, 4, 48)
+        else:
+            prompt = _token_prompt(rng, 900, 1000)
+            body["max_tokens"] = rng.randint(1, MAX_MODEL_LEN - len(prompt))
+        if rng.random() < 0.3:
+            body["presence_penalty"] = 0.5
+    else:  # disconnect / abort: long answers the client stops waiting for
+        prompt = _token_prompt(rng, 4, 128)
+        body = {"temperature": rng.choice((0, 1.0)), "ignore_eos": True,
+                "max_tokens": rng.randint(600, MAX_MODEL_LEN - 128 - 64)}
+        stream = kind == "disconnect"
+    ids = "return_tokens_as_token_ids" in body  # greedy: token ids and top-2 logprobs, compared
+    if chat:
+        body["messages"] = _messages(rng, sentences)
+        if ids:
+            body.update(logprobs=True, top_logprobs=2)
+        elif rng.random() < 0.3:
+            body.update(logprobs=True, top_logprobs=rng.randint(0, 3))
+    else:
+        body["prompt"] = prompt
+        if ids:
+            body["logprobs"] = 2
+        elif rng.random() < 0.3:
+            body["logprobs"] = rng.randint(0, 3)
+    if rng.random() < 1 / 3:
+        body["cache_salt"] = rng.choice(TENANTS)
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
+    request = Request(index, kind, "/v1/chat/completions" if chat else "/v1/completions",
+                      {"model": MODEL, **body}, stream=stream)
+    if kind == "disconnect":
+        request.action, request.chunks = "disconnect", rng.randint(1, 3)
+    elif kind == "abort":
+        request.action, request.timeout = "abort", round(rng.uniform(0.1, 0.5), 2)
+    return request
+
+
+# -- the servers ---------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def group_rss_kib(pgid: int) -> dict[str, int]:
+    """VmRSS (KiB) of each live process in process group ``pgid``, keyed "name pid"."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            if int(stat[stat.rindex(")") + 2:].split()[2]) != pgid:
+                continue
+            status = (entry / "status").read_text()
+        except (OSError, ValueError):
+            continue  # gone meanwhile
+        name = re.search(r"^Name:\s*(.*)$", status, re.MULTILINE).group(1)
+        rss = re.search(r"^VmRSS:\s*(\d+)", status, re.MULTILINE)
+        if rss:
+            out[f"{name} {entry.name}"] = int(rss.group(1))
+    return out
+
+
+def spec_name(spec: dict | None) -> str:
+    """A server's name in the report: "no speculation", "recycling", or the method and the keys
+    that differ from ``{"method": "recycling"}`` ("recycling budget=fixed")."""
+    if spec is None:
+        return BASELINE
+    keys = " ".join(f"{k}={v if isinstance(v, str) else json.dumps(v)}"
+                    for k, v in spec.items() if k != "method")
+    return f"{spec.get('method')} {keys}".strip()
+
+
+class Server:
+    """``vllm-recycling serve tiny-random ...`` in its own process group. ``start`` launches it,
+    ``wait_ready`` waits for ``/health``; ``stop`` (or leaving the ``with`` block) ends the group."""
+
+    def __init__(self, spec: dict | None, log_path: Path, args: list[str] | None = None):
+        self.spec = spec
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        script = Path(sys.executable).with_name("vllm-recycling")
+        cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "vllm_recycling.cli"]
+        self.argv = [*cmd, "serve", MODEL, *(SERVER_ARGS if args is None else args),
+                     "--host", "127.0.0.1", "--port", str(self.port)]
+        if spec is not None:
+            self.argv += ["--speculative-config", json.dumps(spec)]
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+        self.start_s: float | None = None
+        self._started = 0.0
+
+    def start(self) -> Server:
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, env={**os.environ, **SERVER_ENV},
+                                         start_new_session=True)
+        self._started = time.monotonic()
+        return self
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with status {self.proc.returncode} before "
+                                   f"/health answered: {' '.join(self.argv)}\n{self.tail()}")
+            if time.monotonic() - self._started > timeout:
+                raise RuntimeError(f"no /health after {timeout} s: {' '.join(self.argv)}\n{self.tail()}")
+            if self.health() == 200:
+                self.start_s = round(time.monotonic() - self._started, 1)
+                return
+            time.sleep(1)
+
+    def health(self) -> int | None:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=10) as response:
+                return response.status
+        except urllib.error.HTTPError as e:
+            return e.code
+        except OSError:
+            return None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def rss_kib(self) -> dict[str, int]:
+        return group_rss_kib(self.proc.pid) if self.alive() else {}
+
+    def metrics(self) -> dict[str, float]:
+        """Totals of the generation and spec-decode counters of ``/metrics`` ({} if it fails)."""
+        names = {"vllm:generation_tokens_total": "tokens",
+                 "vllm:spec_decode_num_accepted_tokens_total": "accepted",
+                 "vllm:spec_decode_num_drafts_total": "drafts",
+                 "vllm:spec_decode_num_draft_tokens_total": "draft_tokens"}
+        totals = dict.fromkeys(names.values(), 0.0)
+        try:
+            with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as response:
+                text = response.read().decode()
+        except OSError:
+            return {}
+        for line in text.splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in names:
+                totals[names[name]] += float(line.rsplit(" ", 1)[1])
+        return totals
+
+    def stop(self) -> None:
+        """SIGTERM to the process group, then SIGKILL to what is left of it."""
+        if self.proc is None:
+            return
+        for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(timeout=wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        deadline = time.monotonic() + 10  # the engine core may outlive the API server a moment
+        while group_rss_kib(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+# -- sending requests ----------------------------------------------------------------------------
+
+@dataclass
+class Outcome:
+    """What became of one request. ``outcome``: ok | rejected (the expected 4xx) | disconnected
+    | aborted (the client gave up) | failed (``error`` says why)."""
+
+    index: int
+    kind: str
+    outcome: str = "failed"
+    status: int | None = None
+    error: str | None = None
+    choices: list[dict] = field(default_factory=list)  # {"ids", "top", "finish"} per choice
+    tokens: int = 0
+    seconds: float = 0.0
+
+
+def _token_id(token: str) -> int:
+    return int(token.rsplit(":", 1)[1])
+
+
+def _merge_choice(acc: dict, choice: dict, chat: bool, ids: bool) -> None:
+    """Adds one response choice (or one stream chunk of it) to ``acc``; ``ids``: the request
+    asked for token ids (``return_token_ids``, ``return_tokens_as_token_ids``)."""
+    if choice.get("finish_reason"):
+        acc["finish"] = choice["finish_reason"]
+    if not ids:
+        return
+    acc["ids"].extend(choice.get("token_ids") or [])
+    logprobs = choice.get("logprobs") or {}
+    if chat:
+        acc["top"].extend([[(_token_id(t["token"]), t["logprob"]) for t in entry["top_logprobs"]]
+                           for entry in logprobs.get("content") or []])
+    else:
+        acc["top"].extend([sorted(((_token_id(t), lp) for t, lp in entry.items()), key=lambda x: -x[1])
+                           for entry in logprobs.get("top_logprobs") or [] if entry is not None])
+
+
+def _check_answer(request: Request, out: Outcome) -> str | None:
+    """Why the answer to a completed request is wrong, or None."""
+    body = request.body
+    n = body.get("n", 1)
+    if len(out.choices) != n:
+        return f"{len(out.choices)} choices for n={n}"
+    for c in out.choices:
+        if c["finish"] not in ("length", "stop"):
+            return f"finish_reason {c['finish']!r}"
+        if "return_token_ids" in body:
+            if not c["ids"] or len(c["ids"]) > body["max_tokens"]:
+                return f"{len(c['ids'])} token ids for max_tokens={body['max_tokens']}"
+            if not all(0 <= t < VOCAB for t in c["ids"]):
+                return "a token id outside the vocabulary"
+            if len(c["top"]) != len(c["ids"]):
+                return f"{len(c['top'])} logprobs for {len(c['ids'])} tokens"
+            if "stop" not in body and (len(c["ids"]) != body["max_tokens"] or c["finish"] != "length"):
+                return (f"{len(c['ids'])} tokens ({c['finish']}) for max_tokens={body['max_tokens']} "
+                        "and ignore_eos")
+    if out.tokens > body["max_tokens"] * n:
+        return f"usage: {out.tokens} completion tokens for max_tokens={body['max_tokens']}, n={n}"
+    return None
+
+
+async def send(client, request: Request) -> Outcome:
+    """Sends one request and reads its answer as the request's ``action`` says."""
+    import httpx
+
+    out = Outcome(request.index, request.kind)
+    chat = request.path.endswith("chat/completions")
+    ids = isinstance(request.body, dict) and "return_token_ids" in request.body
+    choices: dict[int, dict] = {}
+    if isinstance(request.body, bytes):
+        kwargs = {"content": request.body, "headers": {"content-type": "application/json"}}
+    else:
+        kwargs = {"json": request.body}
+    start = time.perf_counter()
+    try:
+        async with client.stream("POST", request.path, timeout=httpx.Timeout(request.timeout), **kwargs) as r:
+            out.status = r.status_code
+            if r.status_code != 200:
+                await r.aread()
+                if r.status_code == request.expect_status:
+                    out.outcome = "rejected"
+                else:
+                    out.error = f"status {r.status_code}: {r.text[:300]}"
+                return out
+            if request.expect_status != 200:
+                out.error = f"status 200, expected {request.expect_status}"
+                return out
+            if not request.stream:
+                data = json.loads(await r.aread())
+                for choice in data["choices"]:
+                    acc = choices.setdefault(choice["index"], {"ids": [], "top": [], "finish": None})
+                    _merge_choice(acc, choice, chat, ids)
+                out.tokens = data["usage"]["completion_tokens"]
+            else:
+                chunks, done = 0, False
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    if line == "data: [DONE]":
+                        done = True
+                        break
+                    data = json.loads(line[len("data: "):])
+                    if "error" in data:
+                        out.error = f"error event in the stream: {json.dumps(data['error'])[:300]}"
+                        return out
+                    for choice in data["choices"]:
+                        acc = choices.setdefault(choice["index"], {"ids": [], "top": [], "finish": None})
+                        _merge_choice(acc, choice, chat, ids)
+                    if data.get("usage"):
+                        out.tokens = data["usage"]["completion_tokens"]
+                    chunks += 1
+                    if request.action == "disconnect" and chunks >= request.chunks:
+                        out.outcome = "disconnected"
+                        return out  # leaving the block closes the connection mid-stream
+                if not done:
+                    out.error = "the stream ended without [DONE]"
+                    return out
+    except httpx.TimeoutException as e:
+        if request.action == "abort":
+            out.outcome = "aborted"
+        else:
+            out.error = f"client timeout ({type(e).__name__})"
+        return out
+    except Exception as e:  # noqa: BLE001 - a broken answer (or connection) is a failed request
+        out.error = f"{type(e).__name__}: {e}"
+        return out
+    finally:
+        out.seconds = round(time.perf_counter() - start, 3)
+    out.choices = [choices[i] for i in sorted(choices)]
+    out.error = _check_answer(request, out)
+    out.outcome = "ok" if out.error is None else "failed"
+    return out
+
+
+@dataclass
+class Load:
+    """What ``run_load`` returns: the outcomes in plan order, the wall time and the RSS samples
+    ``(seconds, requests done, {process: KiB})``."""
+
+    outcomes: list[Outcome]
+    seconds: float
+    samples: list[tuple[float, int, dict[str, int]]]
+
+
+async def run_load(url: str, requests: list[Request], concurrency: int, rss=None, rss_interval: float = 2.0,
+                   progress=None) -> Load:
+    """Sends ``requests`` in order from ``concurrency`` clients; ``rss()`` (the server's RSS by
+    process) is sampled every ``rss_interval`` s and once at the end."""
+    import httpx
+
+    # A connection per request: vLLM's server closes one idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE),
+    # and a request sent on it as it closes fails with a ReadError (seen about once in 1,000
+    # requests on a loaded machine, with or without speculation).
+    limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=0)
+    outcomes: dict[int, Outcome] = {}
+    queue = list(reversed(requests))
+    samples: list[tuple[float, int, dict[str, int]]] = []
+    start = time.perf_counter()
+
+    def sample() -> None:
+        samples.append((round(time.perf_counter() - start, 1), len(outcomes), rss()))
+
+    async def sampler() -> None:
+        while True:
+            sample()
+            await asyncio.sleep(rss_interval)
+
+    async def worker(client) -> None:
+        while queue:
+            request = queue.pop()
+            outcomes[request.index] = await send(client, request)
+            if progress:
+                progress(outcomes[request.index])
+
+    async with httpx.AsyncClient(base_url=url, limits=limits) as client:
+        task = asyncio.create_task(sampler()) if rss else None
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+        seconds = time.perf_counter() - start
+        if task:
+            task.cancel()
+            sample()
+    return Load([outcomes[r.index] for r in requests], seconds, samples)
+
+
+# -- comparing and summing up --------------------------------------------------------------------
+
+def compare_greedy(answer: Outcome, base: Outcome) -> tuple[str, dict | None]:
+    """"identical", "near-tie" or "different", and where they part (None if identical)."""
+    ids, ref = answer.choices[0]["ids"], base.choices[0]["ids"]
+    if ids == ref:
+        return "identical", None
+    j = next((t for t, (a, b) in enumerate(zip(ref, ids, strict=False)) if a != b), min(len(ref), len(ids)))
+    info = {"index": answer.index, "kind": answer.kind, "position": j,
+            "token": ids[j] if j < len(ids) else None, "no_speculation": ref[j] if j < len(ref) else None}
+    if j >= min(len(ref), len(ids)):
+        return "different", {**info, "why": f"one answer is a prefix of the other ({len(ids)} and "
+                                            f"{len(ref)} tokens)"}
+    (tok1, lp1), (tok2, lp2) = base.choices[0]["top"][j][:2]
+    info.update(top2=[[tok1, lp1], [tok2, lp2]], gap=lp1 - lp2)
+    near = lp1 - lp2 < NEAR_TIE and ids[j] in (tok1, tok2)
+    return ("near-tie" if near else "different"), info
+
+
+PROCESS_ROLES = {"vllm-recycling": "API server", "VLLM::EngineCor": "engine core", "VLLM::Worker": "worker",
+                 "python3": "resource tracker"}
+
+
+def _mib(kib: int) -> float:
+    return round(kib / 1024, 1)
+
+
+def rss_summary(samples: list[tuple[float, int, dict[str, int]]], total: int) -> dict:
+    """A server's RSS (MiB) when WARM_FRACTION of the ``total`` requests were done (the first
+    sample from then on), when half were, at the end (the last sample) and at its highest, and
+    the samples ``[seconds, requests done, MiB]``."""
+    samples = [s for s in samples if s[2]]
+    if not samples:
+        return {}
+    warm = next((s for s in samples if s[1] >= WARM_FRACTION * total), samples[-1])
+    half = next((s for s in samples if s[1] >= total / 2), samples[-1])
+    end = samples[-1]
+    warm_kib, half_kib, end_kib = (sum(s[2].values()) for s in (warm, half, end))
+
+    def by_process(sample):
+        names = {k: k.rsplit(" ", 1)[0] for k in sample[2]}
+        return {PROCESS_ROLES.get(names[k], names[k]): _mib(v) for k, v in sample[2].items()}
+
+    return {"warm_mib": _mib(warm_kib), "end_mib": _mib(end_kib),
+            "max_mib": _mib(max(sum(s[2].values()) for s in samples)),
+            "growth_pct": round(100 * (end_kib - warm_kib) / warm_kib, 2), "warm_done": warm[1],
+            "half_mib": _mib(half_kib), "second_half_growth_pct": round(100 * (end_kib - half_kib) / half_kib, 2),
+            "warm_by_process": by_process(warm), "end_by_process": by_process(end),
+            "series": [[s[0], s[1], _mib(sum(s[2].values()))] for s in samples]}
+
+
+def by_kind(plan: list[Request], outcomes: list[Outcome]) -> dict:
+    rows: dict[str, Counter] = {}
+    for r, o in zip(plan, outcomes, strict=True):
+        kind = "bad input" if r.kind.startswith("bad: ") else r.kind
+        rows.setdefault(kind, Counter())["requests"] += 1
+        rows[kind][o.outcome] += 1
+    return {k: dict(rows[k]) for k in [*KINDS, "bad input"] if k in rows}
+
+
+def server_report(server: Server, plan: list[Request], load: Load, final: Outcome, metrics: dict) -> dict:
+    """One server's figures: statuses, outcomes by kind, throughput, RSS, and after the load."""
+    out = load.outcomes
+    tokens = sum(o.tokens for o in out if o.outcome == "ok")
+    generated, accepted = metrics.get("tokens", 0.0), metrics.get("accepted", 0.0)
+    statuses = Counter(str(o.status) if o.status is not None
+                       else "client gave up" if o.outcome == "aborted" else "no response" for o in out)
+    return {
+        "speculative_config": server.spec,
+        "start_s": server.start_s,
+        "statuses": dict(sorted(statuses.items())),
+        "5xx": sum(1 for o in out if o.status is not None and o.status >= 500),
+        "outcomes": dict(Counter(o.outcome for o in out)),
+        "by_kind": by_kind(plan, out),
+        "seconds": round(load.seconds, 1),
+        "output_tokens": tokens,
+        "tokens_per_s": round(tokens / load.seconds, 1),
+        "tokens_per_step": round(generated / (generated - accepted), 3) if generated > accepted else None,
+        "spec_decode": {k: int(v) for k, v in metrics.items()},
+        "rss": rss_summary(load.samples, len(plan)),
+        "health_after": server.health(),
+        "final_request": final.outcome if final.error is None else final.error,
+        "failures": [{"index": o.index, "kind": o.kind, "status": o.status, "error": o.error}
+                     for o in out if o.outcome == "failed"],
+    }
+
+
+FINAL_REQUEST = Request(-1, "completion", "/v1/completions",
+                        {"model": MODEL, "prompt": list(range(10, 42)), "max_tokens": 32, "temperature": 0,
+                         "ignore_eos": True, "logprobs": 2, "return_tokens_as_token_ids": True,
+                         "return_token_ids": True})
+
+
+def run_soak(requests: int = 1000, concurrency: int = 8, specs: list[dict] | None = None, seed: int = 0,
+             rss_interval: float = 2.0, log_dir: Path | None = None, say=print) -> dict:
+    """Starts a server per speculative config in ``specs`` (default: the default config) and
+    one without speculation side by side, sends each the plan in turn, and returns the report
+    (``problems`` lists what failed)."""
+    specs = [json.loads(DEFAULT_SPEC)] if specs is None else specs
+    log_dir = Path(tempfile.mkdtemp(prefix="soak_")) if log_dir is None else log_dir
+    plan = build_plan(requests, seed)
+    servers: dict[str, Server] = {}
+    for spec in [*specs, None]:
+        name = spec_name(spec)
+        if name in servers:
+            raise ValueError(f"the speculative config {spec} is given twice")
+        servers[name] = Server(spec, log_dir / f"{name.replace(' ', '_').replace('/', '_')}.log")
+    load_average = [round(x, 2) for x in os.getloadavg()]  # other work on the machine skews the timings
+    start = time.monotonic()
+    loads, finals, reports = {}, {}, {}
+    try:
+        for server in servers.values():
+            server.start()
+        for server in servers.values():
+            server.wait_ready()
+        say("servers up in " + ", ".join(f"{s.start_s} s ({name})" for name, s in servers.items())
+            + f"; logs in {log_dir}", flush=True)
+        for name, server in servers.items():
+            counts = Counter()
+
+            def tick(out: Outcome, name=name, counts=counts) -> None:
+                counts[out.outcome] += 1
+                done = sum(counts.values())
+                if done % max(1, len(plan) // 10) == 0 or done == len(plan):
+                    say(f"  {name}: {done}/{len(plan)} {dict(counts)}", flush=True)
+
+            loads[name] = asyncio.run(run_load(server.url, plan, concurrency, server.rss_kib, rss_interval, tick))
+        for name, server in servers.items():  # after every load: each server idled through the others'
+            finals[name] = asyncio.run(run_load(server.url, [FINAL_REQUEST], 1)).outcomes[0]
+            reports[name] = server_report(server, plan, loads[name], finals[name], server.metrics())
+    finally:
+        for server in servers.values():
+            server.stop()
+
+    base = loads[BASELINE].outcomes
+    greedy = {}
+    for name in servers:
+        if name == BASELINE:
+            continue
+        counts, divergences = Counter(), []
+        for request, out, ref in zip(plan, loads[name].outcomes, base, strict=True):
+            if not request.greedy:
+                continue
+            if out.outcome != "ok" or ref.outcome != "ok":
+                counts["not compared"] += 1
+                continue
+            verdict, info = compare_greedy(out, ref)
+            counts[verdict] += 1
+            if info:
+                divergences.append({**info, "verdict": verdict})
+        final = "not compared"
+        if finals[name].outcome == finals[BASELINE].outcome == "ok":
+            final = compare_greedy(finals[name], finals[BASELINE])[0]
+        greedy[name] = {"compared": counts["identical"] + counts["near-tie"] + counts["different"],
+                        "identical": counts["identical"], "near_ties": counts["near-tie"],
+                        "different": counts["different"], "not_compared": counts["not compared"],
+                        "final_request": final, "divergences": divergences}
+    bad_input = {}
+    for i, request in enumerate(plan):
+        if request.kind.startswith("bad: "):
+            entry = bad_input.setdefault(request.kind[len("bad: "):], {
+                "expected": request.expect_status, "answers": {name: [] for name in servers}})
+            for name in servers:
+                entry["answers"][name].append(loads[name].outcomes[i].status)
+    return {
+        "requests": len(plan),
+        "concurrency": concurrency,
+        "seed": seed,
+        "plan": {k: v["requests"] for k, v in by_kind(plan, base).items()},
+        "servers": reports,
+        "greedy": greedy,
+        "bad_input": bad_input,
+        "rss_interval_s": rss_interval,
+        "load_average_at_start": load_average,
+        "wall_s": round(time.monotonic() - start, 1),
+    }
+
+
+def problems(report: dict) -> list[str]:
+    """Every check of the soak that failed; empty when all passed."""
+    found = []
+    for name, r in report["servers"].items():
+        if r["5xx"]:
+            found.append(f"{name}: {r['5xx']} responses with a 5xx status")
+        failures = r["failures"]
+        found += [f"{name}: request {f['index']} ({f['kind']}) failed: {f['error']}" for f in failures[:10]]
+        if len(failures) > 10:
+            found.append(f"{name}: {len(failures) - 10} more requests failed")
+        if sum(r["outcomes"].values()) != report["requests"]:
+            found.append(f"{name}: {sum(r['outcomes'].values())} outcomes for {report['requests']} requests")
+        if r["health_after"] != 200 or r["final_request"] != "ok":
+            found.append(f"{name} after the load: /health {r['health_after']}, "
+                         f"final request {r['final_request']}")
+    for bad, entry in report["bad_input"].items():
+        for name, statuses in entry["answers"].items():
+            if any(s != entry["expected"] for s in statuses):
+                found.append(f"bad input {bad!r}: {name} answered {statuses}, expected {entry['expected']}")
+    for name, g in report["greedy"].items():
+        if g["different"]:
+            found.append(f"{name}: {g['different']} greedy answers differ from those without speculation")
+        if g["not_compared"]:
+            found.append(f"{name}: {g['not_compared']} greedy requests could not be compared")
+        if g["final_request"] not in ("identical", "near-tie"):
+            found.append(f"{name}: the greedy request after the load: {g['final_request']}")
+    return found
+
+
+# -- the report ----------------------------------------------------------------------------------
+
+def tables(report: dict) -> str:
+    """Requests by kind, HTTP statuses, greedy identity, throughput and RSS, in markdown."""
+    servers = report["servers"]
+    names = list(servers)
+    columns = ("ok", "rejected", "disconnected", "aborted", "failed")
+    lines = ["| kind | requests | ok | rejected (4xx) | disconnected | aborted | failed |",
+             "|---|---|---|---|---|---|---|"]
+    for kind, n in report["plan"].items():
+        cells = [" / ".join(str(servers[s]["by_kind"].get(kind, {}).get(c, 0)) for s in names) for c in columns]
+        lines.append(f"| {kind} | {n} | " + " | ".join(cells) + " |")
+    statuses = sorted({s for r in servers.values() for s in r["statuses"]})
+    lines += ["", "| HTTP status | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for s in statuses:
+        lines.append(f"| {s} | " + " | ".join(str(servers[n]["statuses"].get(s, 0)) for n in names) + " |")
+    lines += ["", "| greedy answers against no speculation | compared | identical | near-tie | different |",
+              "|---|---|---|---|---|"]
+    for name, g in report["greedy"].items():
+        lines.append(f"| {name} | {g['compared']} | {g['identical']} | {g['near_ties']} | {g['different']} |")
+    lines += ["", ("| server | wall s | output tokens | tokens/s | tokens per step | RSS warm MiB | "
+                   "RSS end MiB | growth | growth over the 2nd half | RSS max MiB |"),
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, r in servers.items():
+        m, tps = r["rss"], r["tokens_per_step"]
+        lines.append(f"| {name} | {r['seconds']} | {r['output_tokens']} | {r['tokens_per_s']} | "
+                     f"{'-' if tps is None else f'{tps:.2f}'} | {m.get('warm_mib')} | {m.get('end_mib')} | "
+                     f"{m.get('growth_pct', 0):+.2f}% | {m.get('second_half_growth_pct', 0):+.2f}% | "
+                     f"{m.get('max_mib')} |")
+    return "\n".join(lines)
+
+
+def markdown(report: dict) -> str:
+    found, servers = report["problems"], report["servers"]
+    names = list(servers)
+    configs = "; ".join(f"{name}: `--speculative-config '{json.dumps(r['speculative_config'])}'`"
+                        for name, r in servers.items() if r["speculative_config"] is not None)
+    setup = (f"{report['date']}; {report['machine']}; LD_PRELOAD {report['ld_preload']}; vLLM "
+             f"{report['vllm']}; {report['model']}; every server `{' '.join(report['server_args'])}` with "
+             f"`VLLM_CPU_KVCACHE_SPACE=1`; {configs}. {report['requests']} requests (seed {report['seed']}) "
+             f"at concurrency {report['concurrency']} to each server in turn. Command: `{report['command']}`. "
+             f"{report['wall_s']} s in all; the servers, started side by side, were up in "
+             + ", ".join(f"{r['start_s']} s" for r in servers.values())
+             + f". Load average when it started: {' / '.join(map(str, report['load_average_at_start']))}.")
+    counters = "Spec-decode counters: " + "; ".join(
+        f"{name}: {r['spec_decode'].get('drafts', 0)} drafts, {r['spec_decode'].get('draft_tokens', 0)} "
+        f"draft tokens, {r['spec_decode'].get('accepted', 0)} accepted"
+        for name, r in servers.items() if r["speculative_config"] is not None) + "."
+    memory = (f"Output tokens: those of the requests answered in full. RSS: the sum of VmRSS over the "
+              f"server's process group, sampled every {report['rss_interval_s']} s under its own load; "
+              f"warm: the first sample once {int(100 * WARM_FRACTION)}% of the requests were done. Warm -> "
+              f"end MiB by process: " + "; ".join(
+                  f"{name}: " + ", ".join(f"{k} {v} -> {r['rss']['end_by_process'].get(k)}"
+                                          for k, v in r["rss"].get("warm_by_process", {}).items())
+                  for name, r in servers.items() if r["rss"]) + ".")
+    bad = "Bad input, and the status expected from every server: " + "; ".join(
+        f"{name}: {entry['expected']}" for name, entry in report["bad_input"].items()) + "."
+    after = "After the loads, /health and one more greedy request: " + "; ".join(
+        f"{name}: {r['health_after']}, {r['final_request']}"
+        + (f" ({report['greedy'][name]['final_request']})" if name in report["greedy"] else "")
+        for name, r in servers.items()) + "."
+    verdict = ("**All checks passed.**" if not found
+               else "**Failed checks:**\n\n" + "\n".join(f"- {p}" for p in found))
+    lines = ["# Soak: vLLM's OpenAI server with Token Recycling", "", setup, "",
+             f"Requests by kind ({' / '.join(names)}):", "", tables(report), "",
+             counters, "", memory, "", bad, "", after, "", verdict]
+    divergences = [(name, d) for name, g in report["greedy"].items() for d in g["divergences"]]
+    if divergences:
+        lines += ["", ("Greedy divergences (at the first differing token; gap: the top-2 logprob gap "
+                       "without speculation there):"), ""]
+        lines += [f"- {name}, request {d['index']} ({d['kind']}), {d['verdict']} at token "
+                  f"{d['position']}: {d['token']}, no speculation {d['no_speculation']}"
+                  + (f", gap {d['gap']:.3g}" if "gap" in d else f"; {d['why']}") for name, d in divergences]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--spec", action="append",
+                        help=f"a speculative server's --speculative-config (JSON); repeat for more "
+                             f"servers (default: one, {DEFAULT_SPEC})")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rss-interval", type=float, default=2.0, help="seconds between RSS samples")
+    parser.add_argument("--out", default="soak_cpu", help="results name: benchmarks/results/<out>.{json,md}")
+    args = parser.parse_args(argv)
+    specs = []
+    for text in args.spec or [DEFAULT_SPEC]:
+        try:
+            specs.append(json.loads(text))
+        except json.JSONDecodeError as e:
+            parser.error(f"--spec is not valid JSON: {e}")
+        if not isinstance(specs[-1], dict):
+            parser.error(f"--spec must be a JSON object: {text}")
+    from vllm_recycling.models import prepare_model
+
+    prepare_model(MODEL)  # once, before the servers start
+    report = {**run_header("soak.py", MODEL), "server_args": SERVER_ARGS,
+              **run_soak(args.requests, args.concurrency, specs, args.seed, args.rss_interval)}
+    report["problems"] = problems(report)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (RESULTS / f"{args.out}.md").write_text(markdown(report))
+    print("\n" + markdown(report))
+    return 1 if report["problems"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

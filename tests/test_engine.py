@@ -5,7 +5,9 @@ max_tokens, aborts, preemption, trees cut by the step's token budget, mixed gree
 batches; sampled output keeps the target distribution; seeded requests repeat with
 per-request matrices; snapshots.
 
-One engine per configuration, shared by the tests that need it (module fixtures).
+One engine per configuration, shared by the tests that need it (module fixtures). Tests that
+start engines of their own come after the last test of the module's engine: an in-process
+engine that shuts down tears down the parallel state the module's engine still uses.
 """
 
 from __future__ import annotations
@@ -83,54 +85,6 @@ def test_chi_square_sees_a_biased_sampler(tiny_base):
     assert stat > 10 * chi_square_critical(df)
 
 
-def test_chi_square_sees_a_biased_tree_rule(tiny_model, tiny_base, monkeypatch):
-    """The same test through the engine fails for a biased tree rule: each sampled request
-    walks to a child drawn uniformly (q at temperature x 100) and its draft probabilities are
-    shrunk so that vLLM accepts every drafted child."""
-    import vllm_recycling.proposer as proposer
-
-    choose, probabilities = proposer.choose_paths, proposer.draft_probabilities
-
-    def uniform_walk(step, logits, tokens, starts, temperature=None, uniform=None):
-        hot = None if temperature is None else temperature * 100
-        return choose(step, logits, tokens, starts, hot, uniform)
-
-    monkeypatch.setattr(proposer, "choose_paths", uniform_walk)
-    monkeypatch.setattr(proposer, "draft_probabilities", lambda *a: probabilities(*a) * 1e-3)
-    with engine(tiny_model, speculative_config=RECYCLING, disable_log_stats=False) as llm:
-        llm.generate(TINY_PROMPTS, greedy(), use_tqdm=False)  # a hot matrix, as in the suite
-        draws = token_ids(llm.generate([TINY_PROMPTS[0]] * SAMPLED_REQUESTS,
-                                       sampled_params([None] * SAMPLED_REQUESTS), use_tqdm=False))
-        assert spec_counters(llm)["accepted"] > 0
-    stat, df = chi_square(tiny_base["sampled"], [tuple(d) for d in draws])
-    print(f"\nbiased tree rule: chi-square {stat:.1f} on {df} degrees of freedom "
-          f"(critical {chi_square_critical(df):.1f})")
-    assert stat > chi_square_critical(df)
-
-
-def test_seeded_requests_repeat_and_survive_chunked_prefill(tiny_model):
-    """Seeded sampled requests whose prompts are prefilled in chunks (vLLM 0.32 on the CPU
-    killed the engine there: ``patches.SeededChunkedPrefillOnCPU``): without speculation their
-    tokens are those of an unchunked run; with recycling, two fresh engines give the same
-    tokens, sampled walks through the trees included."""
-    from vllm import SamplingParams
-
-    prompts = random_prompts(4, seed=11, vocab_size=TINY_VOCAB, lengths=(150, 200))
-    params = [SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=s, ignore_eos=True)
-              for s in (1, 2, 3, 4)]
-    runs = []
-    for spec, budget in ((None, 64), (None, None), (RECYCLING, 128), (RECYCLING, 128)):
-        extra = {} if budget is None else {"max_num_batched_tokens": budget, "max_num_seqs": 4}
-        if spec is not None:
-            extra["speculative_config"] = spec
-        with engine(tiny_model, disable_log_stats=False, **extra) as llm:
-            runs.append(token_ids(llm.generate(prompts, params, use_tqdm=False)))
-            if spec is not None:
-                assert spec_counters(llm)["accepted"] > 0
-    assert runs[0] == runs[1]
-    assert runs[2] == runs[3]
-
-
 def test_mixed_greedy_and_sampled_batch(tiny_base, tiny_recycling):
     from vllm import SamplingParams
 
@@ -181,6 +135,54 @@ def test_aborted_request_leaves_the_others_exact(tiny_base, tiny_recycling):
 
 
 # -- other configurations ------------------------------------------------------------------------
+
+def test_chi_square_sees_a_biased_tree_rule(tiny_model, tiny_base, monkeypatch):
+    """The same test through the engine fails for a biased tree rule: each sampled request
+    walks to a child drawn uniformly (q at temperature x 100) and its draft probabilities are
+    shrunk so that vLLM accepts every drafted child."""
+    import vllm_recycling.proposer as proposer
+
+    choose, probabilities = proposer.choose_paths, proposer.draft_probabilities
+
+    def uniform_walk(step, logits, tokens, starts, temperature=None, uniform=None):
+        hot = None if temperature is None else temperature * 100
+        return choose(step, logits, tokens, starts, hot, uniform)
+
+    monkeypatch.setattr(proposer, "choose_paths", uniform_walk)
+    monkeypatch.setattr(proposer, "draft_probabilities", lambda *a: probabilities(*a) * 1e-3)
+    with engine(tiny_model, speculative_config=RECYCLING, disable_log_stats=False) as llm:
+        llm.generate(TINY_PROMPTS, greedy(), use_tqdm=False)  # a hot matrix, as in the suite
+        draws = token_ids(llm.generate([TINY_PROMPTS[0]] * SAMPLED_REQUESTS,
+                                       sampled_params([None] * SAMPLED_REQUESTS), use_tqdm=False))
+        assert spec_counters(llm)["accepted"] > 0
+    stat, df = chi_square(tiny_base["sampled"], [tuple(d) for d in draws])
+    print(f"\nbiased tree rule: chi-square {stat:.1f} on {df} degrees of freedom "
+          f"(critical {chi_square_critical(df):.1f})")
+    assert stat > chi_square_critical(df)
+
+
+def test_seeded_requests_repeat_and_survive_chunked_prefill(tiny_model):
+    """Seeded sampled requests whose prompts are prefilled in chunks (vLLM 0.32 on the CPU
+    killed the engine there: ``patches.SeededChunkedPrefillOnCPU``): without speculation their
+    tokens are those of an unchunked run; with recycling, two fresh engines give the same
+    tokens, sampled walks through the trees included."""
+    from vllm import SamplingParams
+
+    prompts = random_prompts(4, seed=11, vocab_size=TINY_VOCAB, lengths=(150, 200))
+    params = [SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=s, ignore_eos=True)
+              for s in (1, 2, 3, 4)]
+    runs = []
+    for spec, budget in ((None, 64), (None, None), (RECYCLING, 128), (RECYCLING, 128)):
+        extra = {} if budget is None else {"max_num_batched_tokens": budget, "max_num_seqs": 4}
+        if spec is not None:
+            extra["speculative_config"] = spec
+        with engine(tiny_model, disable_log_stats=False, **extra) as llm:
+            runs.append(token_ids(llm.generate(prompts, params, use_tqdm=False)))
+            if spec is not None:
+                assert spec_counters(llm)["accepted"] > 0
+    assert runs[0] == runs[1]
+    assert runs[2] == runs[3]
+
 
 def test_auto_budget_greedy_identical(tiny_model, tiny_base):
     """The default budget ("auto") sends each request a subset of the tree that changes from

@@ -423,9 +423,7 @@ class RecyclingProposer:
         temperature = None
         if not sampling_metadata.all_greedy:  # sampled requests walk their trees by draws
             req_index = torch.from_numpy(step.req_index_np).to(device)
-            temperature = sampling_metadata.temperature[req_index]
-            if not bool((temperature > 0).any()):
-                temperature = None
+            temperature = sampling_metadata.temperature[req_index]  # greedy rows: 0, one-hot drafts
         if temperature is None:
             path = choose_paths(step, logits, tokens, starts)
         else:

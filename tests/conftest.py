@@ -52,7 +52,10 @@ def tiny_base(tiny_model):
 
 # Longest files first, so that with two pytest processes (`-n 2 --dist loadfile`) the rest of
 # the suite runs beside them instead of after them.
-_FIRST = ("test_smollm2.py", "test_engine.py", "test_soak.py", "test_server.py", "test_distributed.py")
+_FIRST = (
+    "test_smollm2.py", "test_engine.py", "test_soak.py", "test_gpu_path.py", "test_server.py",
+    "test_distributed.py",
+)
 
 
 def pytest_collection_modifyitems(items):

@@ -11,7 +11,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_recycling import __version__, patches, plugin  # noqa: E402
+import torch  # noqa: E402
+
+from vllm_recycling import __version__, patches, plugin, triton_path  # noqa: E402
 from vllm_recycling.config import RecyclingConfigError  # noqa: E402
 
 from engines import ENGINE  # noqa: E402  (tiny_model: a conftest.py fixture)
@@ -50,9 +52,15 @@ def test_version_check_accepts_032(version):
 def test_register_applies_every_patch_once():
     plugin.register()
     plugin.register()
-    assert all(p.is_applied() for p in patches.PATCHES)
+    wanted = [p for p in patches.PATCHES if p.wanted()]
+    assert all(p.is_applied() for p in wanted)
+    # the Triton tree pass only on CUDA or with the GPU path switched on (then vLLM's Triton
+    # attention is imported with the real triton)
+    assert (patches.TreeAttentionTriton in wanted) == (
+        torch.cuda.is_available() or triton_path.requested_on_cpu()
+    )
     assert patches.apply_all() == []
-    for patch in patches.PATCHES:
+    for patch in wanted:
         owner, attr = patch.target()
         # one wrapper around vLLM's own function, not a wrapper around a wrapper
         assert not hasattr(owner.__dict__[attr].__wrapped__, patches._MARK)

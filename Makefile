@@ -21,7 +21,7 @@ LD_PRELOAD_ENV = LD_PRELOAD="$(subst $(eval) ,:,$(strip $(PRELOAD)))"
 # one Torch thread each (tests/conftest.py).
 PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadfile
 
-.PHONY: setup serve demo test test-fast bench
+.PHONY: setup serve demo test test-fast bench gpu
 
 setup: $(VENV)/.installed
 
@@ -64,3 +64,11 @@ $(VENV)/.bench: $(VENV)/.installed
 bench: $(VENV)/.bench
 	$(LD_PRELOAD_ENV) $(BIN)/python benchmarks/spec_bench.py
 	$(LD_PRELOAD_ENV) $(BIN)/python benchmarks/serve_bench.py
+
+# Every GPU test and kernel benchmark, on a CUDA machine with torch and triton (vLLM not needed,
+# nor a package registry): the plugin without its dependencies, the `gpu` tests, the benchmarks.
+gpu:
+	$(PYTHON) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PYTHON) -m pytest -q -m gpu tests
+	$(PYTHON) benchmarks/kernels.py
+	$(PYTHON) benchmarks/tree_attention_gpu.py

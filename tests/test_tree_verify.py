@@ -11,6 +11,7 @@ from vllm_recycling.tree_verify import (
     TreeStep,
     choose_paths,
     draft_probabilities,
+    to_device,
     tree_attention,
 )
 
@@ -390,3 +391,41 @@ def test_vllm_rejects_padding_drafts():
             2, vocab, NO_DRAFT_PROBS=q is None,
         )
         assert sampled.tolist() == [[3, 6, -1]]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tree_step_never_waits_for_the_gpu(layout):
+    """The GPU path's verification of a tree step (plan, path choice greedy and sampled, chain,
+    draft probabilities, KV moves, tree attention) with CUDA's sync debug mode set to raise on
+    any host synchronisation."""
+    from vllm_recycling.kernels.tree_attention import tree_attention
+    from vllm_recycling.triton_path import move_slots
+
+    device = torch.device("cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step = TreeStep.plan(layout, np.array([5, 0, 3]), np.array([0, 6, 7, 11]),
+                             np.array([20, 9, 30]), device, groups=False)
+        tokens = torch.randint(0, 10, (11,), device=device)
+        logits = torch.randn(11, 10, device=device)
+        starts = to_device(np.array([0, 7]), torch.int64, device)
+        path = choose_paths(step, logits, tokens, starts)
+        path, q, q_tokens = choose_paths(
+            step, logits, tokens, starts, torch.tensor([0.0, 0.7], device=device),
+            torch.rand(2, layout.max_depth, device=device),
+        )
+        plan_ = ChainPlan.build(step, path, np.array([5, 0, 3]), np.array([0, 6, 7]), device)
+        drafts = plan_.draft_tokens(tokens)
+        draft_probabilities(plan_, step, drafts, q, q_tokens, 10)
+        sampled = torch.full((3, max(plan_.num_draft_tokens) + 1), -1, dtype=torch.int32, device=device)
+        src, dst = plan_.compaction(step, sampled, torch.arange(100, 111, device=device))
+        kv = torch.randn(16, 2, 16, 128, device=device, dtype=torch.float16)
+        move_slots(kv, src, dst)
+        query = torch.randn(11, 4, 64, device=device, dtype=torch.float16)
+        table = torch.arange(12, device=device, dtype=torch.int32).view(3, 4)
+        tree_attention(query, kv, table, step.req_index, step.rows, step.num_rows, step.prefix_len,
+                       step.mask, torch.zeros_like(query), 0.125)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()

@@ -61,6 +61,7 @@ from vllm_recycling.tree_verify import (
     TreeStep,
     choose_paths,
     draft_probabilities,
+    to_device,
 )
 
 logger = logging.getLogger("vllm.plugins.vllm_recycling")
@@ -367,8 +368,8 @@ class RecyclingProposer:
         slot_mapping: torch.Tensor,
     ) -> torch.Tensor | None:
         """Tree mode, after vLLM laid the step out as chains: plan the tree rows
-        (``tree_verify.ACTIVE_STEP``) and return the [num_tokens] int64 offsets (CPU) to add to
-        the step's positions, None when no request has drafts.
+        (``tree_verify.ACTIVE_STEP``) and return the [num_tokens] int64 offsets (on the slots'
+        device) to add to the step's positions, None when no request has drafts.
 
         num_draft_tokens [B] (None without speculation), query_start_loc [B+1],
         num_computed_tokens [B] (before this step): the runner's host values; slot_mapping
@@ -396,7 +397,7 @@ class RecyclingProposer:
         if step is None:
             return None
         step.slot_mapping = slot_mapping
-        return torch.from_numpy(step.position_offsets())
+        return to_device(step.position_offsets(), torch.int64, slot_mapping.device)
 
     @torch.inference_mode()
     def verify_tree(
@@ -424,11 +425,10 @@ class RecyclingProposer:
         num_draft = np.asarray(spec_decode_metadata.num_draft_tokens, dtype=np.int64)
         logits_start = np.cumsum(num_draft + 1) - (num_draft + 1)
         device = logits.device
-        starts = torch.from_numpy(logits_start[step.req_index_np]).to(device)
+        starts = to_device(logits_start[step.req_index_np], torch.int64, device)
         temperature = None
         if not sampling_metadata.all_greedy:  # sampled requests walk their trees by draws
-            req_index = torch.from_numpy(step.req_index_np).to(device)
-            temperature = sampling_metadata.temperature[req_index]  # greedy rows: 0, one-hot drafts
+            temperature = sampling_metadata.temperature[step.req_index]  # greedy rows: 0, one-hot drafts
         if temperature is None:
             path = choose_paths(step, logits, tokens, starts)
         else:

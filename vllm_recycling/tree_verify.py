@@ -44,6 +44,18 @@ import torch
 from vllm_recycling.tree import TreeTemplate
 
 
+def to_device(array, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A host array as a tensor on ``device``. On CUDA through pinned memory and an
+    asynchronous copy: a plain ``.to("cuda")`` of pageable memory waits for the stream (PyTorch
+    synchronises after a blocking host-to-device copy), which the tree step must not do. The
+    pinned block comes from PyTorch's caching host allocator, which keeps it until the copy is
+    done."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
+    if torch.device(device).type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 @dataclass(frozen=True)
 class TreeLayout:
     """What a step needs from the template, on the step's device.
@@ -197,9 +209,7 @@ class TreeStep:
             (kids >= 0) & valid_np[:, :, None], local[r_idx[:, :, None], kids], -1
         )
 
-        t = lambda a, dtype=torch.int64: torch.from_numpy(np.ascontiguousarray(a)).to(  # noqa: E731
-            device=device, dtype=dtype
-        )
+        t = lambda a, dtype=torch.int64: to_device(a, dtype, device)  # noqa: E731
         valid = t(valid_np, torch.bool)
         node = t(node_np)
         mask = layout.ancestors[node[:, :, None], node[:, None, :]] & valid[:, :, None] & valid[:, None, :]
@@ -519,9 +529,7 @@ class ChainPlan:
         target = (np.repeat(starts, lengths) + _ragged_arange(lengths)).astype(np.int32)
         bonus = (cu_sampled - 1).astype(np.int32)
 
-        t = lambda a, dtype: torch.from_numpy(np.ascontiguousarray(a)).to(  # noqa: E731
-            device=device, dtype=dtype
-        )
+        t = lambda a, dtype: to_device(a, dtype, device)  # noqa: E731
         local_t = t(local, torch.int64)
         pad_t = torch.zeros((batch_size, depth + 1), dtype=torch.bool, device=device)
         levels = min(path.shape[1], depth)

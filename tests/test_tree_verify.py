@@ -11,9 +11,9 @@ from vllm_recycling.tree_verify import (
     TreeStep,
     choose_paths,
     draft_probabilities,
-    to_device,
     tree_attention,
 )
+from vllm_recycling.transfer import to_device
 
 # root -> a(0), b(1); a -> c(0,0), d(0,1); c -> e(0,0,0). Breadth-first: 0 root, 1 a, 2 b, 3 c,
 # 4 d, 5 e. Depths 0 1 1 2 2 3.
@@ -396,19 +396,29 @@ def test_vllm_rejects_padding_drafts():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_tree_step_never_waits_for_the_gpu(layout):
-    """The GPU path's verification of a tree step (plan, path choice greedy and sampled, chain,
-    draft probabilities, KV moves, tree attention) with CUDA's sync debug mode set to raise on
-    any host synchronisation."""
+    """The GPU path's verification of a tree step (matrix update, plan, path choice greedy and
+    sampled, chain, draft probabilities, KV moves, tree attention) with CUDA's sync debug mode
+    set to raise on any host synchronisation."""
     from vllm_recycling.kernels.tree_attention import tree_attention
     from vllm_recycling.triton_path import move_slots
 
+    from vllm_recycling.matrix import AdjacencyMatrix
+
     device = torch.device("cuda")
+    matrix = AdjacencyMatrix(10, 2, scope="overlay", max_requests=3, device=device, overlay_rows=16,
+                             with_probs=True)
+    for r in "abc":
+        matrix.allocate(r)  # host bookkeeping, when a request joins the batch
+    torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         step = TreeStep.plan(layout, np.array([5, 0, 3]), np.array([0, 6, 7, 11]),
                              np.array([20, 9, 30]), device, groups=False)
         tokens = torch.randint(0, 10, (11,), device=device)
         logits = torch.randn(11, 10, device=device)
+        # the matrix learns from every row (RecyclingProposer.observe_verification)
+        rows = to_device(np.repeat(np.arange(3), [6, 1, 4]), torch.int64, device)
+        matrix.update(tokens[:, None], logits, matrix.slots(list("abc"))[rows])
         starts = to_device(np.array([0, 7]), torch.int64, device)
         path = choose_paths(step, logits, tokens, starts)
         path, q, q_tokens = choose_paths(

@@ -40,10 +40,12 @@ import tempfile
 from collections import OrderedDict
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from vllm_recycling.kernels.draft_tree import Overlay
 from vllm_recycling.kernels.topk_update import topk_update
+from vllm_recycling.transfer import to_device
 
 SCOPES = ("shared", "per_request", "overlay", "salt")
 DEFAULT_SALT_MATRICES = 16
@@ -207,8 +209,9 @@ class AdjacencyMatrix:
             return None
         if self.scope == "salt":
             pairs = [(self._slot_of[r], self._matrix_of[r]) for r in request_ids]
-            return torch.tensor(pairs, dtype=torch.int64, device=self.device).reshape(-1, 2)
-        return torch.tensor([self._slot_of[r] for r in request_ids], dtype=torch.int64, device=self.device)
+            return to_device(np.array(pairs, dtype=np.int64).reshape(-1, 2), torch.int64, self.device)
+        slots = np.array([self._slot_of[r] for r in request_ids], dtype=np.int64)
+        return to_device(slots, torch.int64, self.device)
 
     def view(self, request_id: str | None = None) -> torch.Tensor:
         """The [V, k] matrix of a request under per_request and salt scope, else the shared one."""

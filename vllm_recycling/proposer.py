@@ -61,8 +61,8 @@ from vllm_recycling.tree_verify import (
     TreeStep,
     choose_paths,
     draft_probabilities,
-    to_device,
 )
+from vllm_recycling.transfer import to_device
 
 logger = logging.getLogger("vllm.plugins.vllm_recycling")
 
@@ -205,8 +205,9 @@ class RecyclingProposer:
         slots = None
         if self.matrix.scope != "shared":
             self._assign_slots(self._batch_req_ids, set(live_req_ids))
-            rows = torch.tensor(num_draft_tokens, device=self.matrix.device) + 1
-            slots = self.matrix.slots(self._batch_req_ids).repeat_interleave(rows, dim=0)
+            rows = np.asarray(num_draft_tokens, dtype=np.int64) + 1  # each request's logits rows
+            request_of_row = to_device(np.repeat(np.arange(rows.size), rows), torch.int64, self.matrix.device)
+            slots = self.matrix.slots(self._batch_req_ids)[request_of_row]
         self.matrix.update(tokens[:, None], logits, slots)
 
     def _assign_slots(self, batch: list[str], live: set[str]) -> None:

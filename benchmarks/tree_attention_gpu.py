@@ -22,6 +22,7 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent
@@ -54,14 +55,10 @@ def make_case(requests, width, prefix, heads, kv_heads, dim, dtype, device, seed
     gen = torch.Generator(device="cpu").manual_seed(seed)
     layout = TreeLayout.from_template(load_tree("2.2.2", topk=8), "cpu")
     num_draft = [width - 1] * requests
-    qsl = [0]
-    for _ in range(requests):
-        qsl.append(qsl[-1] + width)
-    import numpy as np
-
-    step = TreeStep.plan(layout, np.array(num_draft), np.array(qsl), np.array([prefix] * requests),
+    qsl = np.arange(requests + 1) * width
+    step = TreeStep.plan(layout, np.array(num_draft), qsl, np.array([prefix] * requests),
                          device, groups=False)
-    tokens = qsl[-1]
+    tokens = int(qsl[-1])
     blocks_each = -(-(prefix + width) // BLOCK_SIZE)
     num_blocks = requests * blocks_each + 1
     table = torch.randperm(num_blocks - 1, generator=gen)[: requests * blocks_each].view(requests, blocks_each)

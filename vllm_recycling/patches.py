@@ -318,22 +318,15 @@ class TreeAttentionCPU(MethodPatch):
 
     @staticmethod
     def wrap(original):
-        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kw):
-            output = original(self, layer, query, key, value, kv_cache, attn_metadata, output,
-                              *args, **kw)
-            step = _tree_step(self, attn_metadata)
-            if step is not None:
-                started = time.perf_counter()
-                table = attn_metadata.block_table[step.req_index]
-                tree_attention(
-                    step, query, key, value, output,
-                    lambda req, positions: read_positions(kv_cache, table[req], positions),
-                    self.scale,
-                )
-                step.tree_seconds += time.perf_counter() - started  # the budget's tree cost
-            return output
+        def tree_pass(impl, step, query, key, value, kv_cache, attn_metadata, output):
+            table = attn_metadata.block_table[step.req_index]
+            tree_attention(
+                step, query, key, value, output,
+                lambda req, positions: read_positions(kv_cache, table[req], positions),
+                impl.scale,
+            )
 
-        return forward
+        return _after_causal_attention(original, tree_pass)
 
 
 class TreeAttentionTriton(MethodPatch):
@@ -367,22 +360,15 @@ class TreeAttentionTriton(MethodPatch):
 
     @staticmethod
     def wrap(original):
-        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kw):
-            output = original(self, layer, query, key, value, kv_cache, attn_metadata, output,
-                              *args, **kw)
-            step = _tree_step(self, attn_metadata)
-            if step is not None:
-                started = time.perf_counter()
-                heads, dim = self.num_heads, self.head_size
-                kernel_tree_attention(
-                    query.view(query.shape[0], heads, dim), kv_cache, attn_metadata.block_table,
-                    step.req_index, step.rows, step.num_rows, step.prefix_len, step.mask,
-                    output.view(output.shape[0], heads, dim), self.scale,
-                )
-                step.tree_seconds += time.perf_counter() - started  # launch time on a GPU
-            return output
+        def tree_pass(impl, step, query, key, value, kv_cache, attn_metadata, output):
+            heads, dim = impl.num_heads, impl.head_size
+            kernel_tree_attention(
+                query.view(query.shape[0], heads, dim), kv_cache, attn_metadata.block_table,
+                step.req_index, step.rows, step.num_rows, step.prefix_len, step.mask,
+                output.view(output.shape[0], heads, dim), impl.scale,
+            )
 
-        return forward
+        return _after_causal_attention(original, tree_pass)
 
 
 class VerifyTree(MethodPatch):
@@ -758,18 +744,29 @@ class _TorchOnCpu(types.ModuleType):
         return getattr(torch, name)
 
 
-def _tree_step(impl, attn_metadata):
-    """The tree plan of the step a decoder attention layer is running, None outside tree steps
-    (and for the dummy runs, whose token counts differ)."""
-    step = ACTIVE_STEP.step
-    if (
-        step is not None
-        and attn_metadata is not None
-        and attn_metadata.num_actual_tokens == step.num_tokens
-        and impl.attn_type == "decoder"
-    ):
-        return step
-    return None
+def _after_causal_attention(original: Callable, tree_pass: Callable) -> Callable:
+    """An attention backend's ``forward``: vLLM's own (causal for every row: prefills, chains
+    and tree roots come out right), then, in a tree step, ``tree_pass(impl, step, query, key,
+    value, kv_cache, attn_metadata, output)`` overwrites the tree nodes' rows. Dummy runs (token
+    counts other than the step's) and non-decoder layers get vLLM's result only. The time the
+    tree pass takes is the budget's tree cost (on a GPU: its launch time)."""
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kw):
+        output = original(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                          *args, **kw)
+        step = ACTIVE_STEP.step
+        if (
+            step is not None
+            and attn_metadata is not None
+            and attn_metadata.num_actual_tokens == step.num_tokens
+            and self.attn_type == "decoder"
+        ):
+            started = time.perf_counter()
+            tree_pass(self, step, query, key, value, kv_cache, attn_metadata, output)
+            step.tree_seconds += time.perf_counter() - started
+        return output
+
+    return forward
 
 
 def _recycling_drafter(runner) -> RecyclingProposer | None:

@@ -110,6 +110,9 @@ class AdjacencyMatrix:
             )
             self.table = torch.cat([self.initial, extra])
             self.keys = torch.full((slots * overlay_rows + 1,), -1, dtype=torch.int32, device=device)
+            # update(): the last row of a step writing each entry, -1 between steps (only the
+            # entries a step wrote are reset: no [slots * R] buffer filled per step)
+            self._last_writer = torch.full(self.keys.shape, -1, dtype=torch.int64, device=device)
         else:
             self.table = self.initial.repeat(slots, 1)
         # The successors' probabilities under the logits that wrote them (the adaptive budget's
@@ -280,8 +283,10 @@ class AdjacencyMatrix:
         entry = overlay.entries(tokens).reshape(-1)
         # last writer per entry wins; the overridden writes go to the scratch row (no host sync)
         order = torch.arange(entry.shape[0], device=self.device)
-        last = torch.full_like(keys, -1, dtype=torch.int64).scatter_reduce_(0, entry, order, "amax")
-        entry = torch.where(last[entry] == order, entry, keys.shape[0] - 1)
+        last = self._last_writer.scatter_reduce_(0, entry, order, "amax")
+        wins = last[entry] == order
+        last[entry] = -1
+        entry = torch.where(wins, entry, keys.shape[0] - 1)
         self.table[offset + entry] = top
         if top_probs is not None:
             self.probs[offset + entry] = top_probs

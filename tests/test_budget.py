@@ -124,7 +124,7 @@ def test_step_cost_profile_and_online_fit():
         t, trees = int(rng.integers(1, 40)), int(rng.integers(0, 3))
         tree_s = 0.3 * trees
         cost.observe(t, trees, tree_s, float(cost.profile(np.array([t]))[0]) + 0.5 + 0.01 * t + tree_s)
-    assert cost.observed == 3000
+    assert cost.observed == 3000 - 2  # the first TREE_WARMUP_STEPS tree steps are not timed
     assert cost(np.array([4]), 1).tolist() == pytest.approx([1.2])  # not agreed yet
     cost.agree()
     assert cost.agreed == pytest.approx([0.5, 0.01, 0.3], abs=1e-6)
@@ -133,6 +133,25 @@ def test_step_cost_profile_and_online_fit():
     cost.theta[1] = -0.5
     cost.agree()
     assert cost.agreed[1] == 0.0  # never a negative cost per token
+
+
+def test_tree_cost_skips_first_tree_steps_and_decays_without_trees():
+    from vllm_recycling.budget import TREE_COST_DECAY, TREE_WARMUP_STEPS
+
+    cost = StepCost([1, 2], [0.0, 0.0])
+    for _ in range(TREE_WARMUP_STEPS):  # first calls of the tree path: dear, not learnt
+        cost.observe(3, 1, 30.0, 31.0)
+    cost.agree()
+    assert cost.agreed[2] == 0.0 and cost.observed == 0
+    cost.observe(3, 1, 0.008, 0.04)
+    cost.agree()
+    assert cost.agreed[2] == pytest.approx(0.008)
+    cost.agree()  # no tree step since the last agreement: the term decays
+    cost.agree()
+    assert cost.agreed[2] == pytest.approx(0.008 * TREE_COST_DECAY ** 2)
+    cost.observe(3, 2, 0.02, 0.06)  # 0.01 per tree, averaged with the decayed 0.00648
+    cost.agree()
+    assert 0.00648 < cost.agreed[2] < 0.01
 
 
 def test_tree_term_counts_requests_off_their_chain():

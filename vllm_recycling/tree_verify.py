@@ -10,9 +10,10 @@ keeps still form a tree. One step of tree verification is then:
    (the tokens already in the KV cache), and the ancestor mask.
 2. ``TreeStep.position_offsets``: node j sits at position prefix + depth(j), not prefix + j.
    Slots stay those of prefix + j (vLLM computed them before), so every node has its own slot.
-3. ``tree_attention``: the attention of the node rows, each over the prefix (read from the
-   paged cache by a backend-specific reader) and its own ancestors in the tree (this step's
-   keys and values). Prefill and chain rows keep vLLM's causal attention.
+3. ``tree_attention``: the attention of the node rows, each over the prefix and its own
+   ancestors in the tree, both read from the paged cache by a backend-specific reader (the
+   backend wrote this step's keys and values to the node slots first). Prefill and chain rows
+   keep vLLM's causal attention.
 4. ``choose_paths``: per request, a root-to-leaf path, walking from the root to the child whose
    token has the highest target logit. For a greedy request this is exactly the tree's greedy
    acceptance: the child holding the target's argmax is taken while there is one.
@@ -266,32 +267,46 @@ class AttentionGroup:
 
     req [g] int64: indices into the step's R tree requests.
     rows [g, W] int64: their node rows.
-    prefix_positions [g, P] int64: the cached positions read (P = the group's longest prefix).
-    allowed [g, W, P + W] bool: what node i may attend: its own prefix, then its ancestors.
+    prefix_len [g] int64: each one's prefix (its root's position).
+    max_prefix: the group's longest prefix (host int); a layer reads positions
+        [0, max_prefix + W) of each request from the cache.
+    mask [g, W, W] bool: the requests' ancestor masks (``TreeStep.mask``).
     written [g, W] bool: the node rows whose output tree attention replaces (not the roots).
     """
 
     req: torch.Tensor
     rows: torch.Tensor
-    prefix_positions: torch.Tensor
-    allowed: torch.Tensor
+    prefix_len: torch.Tensor
+    max_prefix: int
+    mask: torch.Tensor
     written: torch.Tensor
+
+    def __post_init__(self) -> None:
+        self._allowed: dict[int, torch.Tensor] = {}
 
     @classmethod
     def build(cls, step: "TreeStep", req: torch.Tensor, max_prefix: int) -> "AttentionGroup":
-        g, width = req.shape[0], step.rows.shape[1]
-        positions = torch.arange(max_prefix, device=req.device)
-        in_prefix = positions[None, :] < step.prefix_len[req, None]  # [g, P]
-        allowed = torch.cat([in_prefix[:, None, :].expand(-1, width, -1), step.mask[req]], dim=2)
         written = step.valid[req].clone()
         written[:, 0] = False  # roots keep vLLM's result
-        return cls(req=req, rows=step.rows[req], prefix_positions=positions.expand(g, -1),
-                   allowed=allowed, written=written)
+        return cls(req=req, rows=step.rows[req], prefix_len=step.prefix_len[req],
+                   max_prefix=max_prefix, mask=step.mask[req], written=written)
+
+    def allowed(self, length: int) -> torch.Tensor:
+        """[g, W, length] bool: cached position p is visible to node i when it is in i's prefix
+        (p < prefix) or holds one of i's ancestors (p = prefix + j, mask[i, j]). Built once per
+        step and length, reused by every layer."""
+        if length not in self._allowed:
+            width = self.rows.shape[1]
+            rel = torch.arange(length, device=self.rows.device)[None, None, :] - self.prefix_len[:, None, None]
+            node = self.mask.gather(2, rel.clamp(0, width - 1).expand(-1, width, -1))
+            self._allowed[length] = (rel < 0) | (node & (rel < width))
+        return self._allowed[length]
 
 
-# (requests [g] indices into the step's R tree requests, positions [g, P]) -> keys, values
-# [g, P, H_kv, D] of those positions of those requests
-PrefixReader = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# (requests [g] indices into the step's R tree requests, positions n) -> keys [g, H_kv, D, L]
+# and values [g, H_kv, L, D] of cached positions [0, L), L >= n, of those requests (this
+# step's node rows included: the backend wrote them to their slots before attention)
+CacheReader = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 
 # At most this many tree requests are attended together (one padded batch of matrix products).
 GROUP_SIZE = 16
@@ -314,41 +329,39 @@ def _prefix_groups(prefix: np.ndarray) -> list[np.ndarray]:
 def tree_attention(
     step: TreeStep,
     query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
     output: torch.Tensor,
-    read_prefix: PrefixReader,
+    read_cache: CacheReader,
     scale: float,
 ) -> None:
     """Overwrite ``output`` on the node rows (not the roots, which causal attention already
-    got right) with tree attention. query [T, H, D]; key, value [T, H_kv, D] (this step's, after
-    RoPE); output [T, H*D] or [T, H, D]; read_prefix gives the cached keys and values of a
-    group's positions (positions past a request's prefix are masked, whatever it returns
-    there). Query heads h*G .. h*G+G-1 share key/value head h (G = H / H_kv), computed as one
-    matrix product per key/value head without copying keys and values per query head."""
+    got right) with tree attention. query [T, H, D] (after RoPE); output [T, H*D] or [T, H, D];
+    read_cache gives a group's cached keys and values, its node rows included, whole blocks at
+    a time. Positions a node may not see are masked whatever keys the cache holds there (NaN
+    included); their values must be finite, as vLLM's caches hold (zero-filled at
+    allocation, then written with the model's keys and values). Query heads h*G .. h*G+G-1 share key/value head h (G = H / H_kv), computed as
+    one matrix product per key/value head without copying keys and values per query head.
+    Measured on 2 CPU cores, SmolLM2's shapes, 30 layers, one request with a 300-token prefix
+    and 4 nodes: 4.7 ms a step, against 7.3 ms when prefix positions were gathered one by one
+    and concatenated with this step's keys."""
     num_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads = key.shape[1]
-    group = num_heads // num_kv_heads
     out = output.view(output.shape[0], num_heads, head_dim)
     width = step.rows.shape[1]
     for grp in step.groups:
-        g, rows = grp.req.shape[0], grp.rows  # rows [g, W]
+        g = grp.req.shape[0]
+        keys_t, values = read_cache(grp.req, grp.max_prefix + width)
+        num_kv_heads = keys_t.shape[1]
+        group = num_heads // num_kv_heads
         # [g, W, H, D] -> [g, H_kv, G*W, D]: the G query heads of a key/value head stacked
-        q = query[rows].float().view(g, width, num_kv_heads, group, head_dim)
+        q = query[grp.rows].float().view(g, width, num_kv_heads, group, head_dim)
         q = q.permute(0, 2, 3, 1, 4).reshape(g, num_kv_heads, group * width, head_dim)
-        k_all, v_all = key[rows].float(), value[rows].float()
-        if grp.prefix_positions.shape[1] > 0:
-            k_pre, v_pre = read_prefix(grp.req, grp.prefix_positions)
-            k_all = torch.cat([k_pre.float(), k_all], dim=1)  # [g, P+W, H_kv, D]
-            v_all = torch.cat([v_pre.float(), v_all], dim=1)
-        scores = torch.matmul(q, k_all.permute(0, 2, 3, 1)) * scale  # [g, H_kv, G*W, P+W]
+        scores = torch.matmul(q, keys_t.float()).mul_(scale)  # [g, H_kv, G*W, L]
         scores = scores.view(g, num_kv_heads, group, width, -1)
-        scores.masked_fill_(~grp.allowed[:, None, None], float("-inf"))
+        scores.masked_fill_(~grp.allowed(scores.shape[-1])[:, None, None], float("-inf"))
         probs = torch.softmax(scores, dim=-1).view(g, num_kv_heads, group * width, -1)
-        attn = torch.matmul(probs, v_all.transpose(1, 2))  # [g, H_kv, G*W, D]
+        attn = torch.matmul(probs, values.float())  # [g, H_kv, G*W, D]
         attn = attn.view(g, num_kv_heads, group, width, head_dim).permute(0, 3, 1, 2, 4)
         attn = attn.reshape(g, width, num_heads, head_dim).to(output.dtype)
-        out[rows[grp.written]] = attn[grp.written]
+        out[grp.rows[grp.written]] = attn[grp.written]
 
 
 def choose_paths(

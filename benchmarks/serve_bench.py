@@ -5,10 +5,11 @@ streaming clients.
     python benchmarks/serve_bench.py --methods none,"recycling tree16 hot" --concurrency 1,8
 
 For each method and concurrency a fresh server (``vllm-recycling serve``, which is ``vllm
-serve`` with the same arguments) is started on 127.0.0.1 and warmed up with ``concurrency``
-(at least two) short requests at that concurrency, so no method carries state from one level
-to the next (suffix's response cache and a hot matrix would otherwise replay the answers to
-the same prompts) and every method starts each level alike; then ``concurrency`` clients
+serve`` with the same arguments) is started on 127.0.0.1 and warmed up with ``concurrency`` (at
+least four) requests of ``--max-tokens`` at that concurrency, on prompts outside the sample,
+so no method carries state from one level to the next (suffix's response cache and a hot
+matrix would otherwise replay the answers to the same prompts) and every method starts each
+level alike; then ``concurrency`` clients
 (``openai.AsyncOpenAI``, streaming chat completions, greedy, ``--max-tokens`` new tokens, EOS
 honoured) share a fixed list of ``max(--min-requests, 2 x concurrency)`` requests (capped by
 ``--max-requests``) made from the shipped Spec-Bench sample (``turns[0]``, shuffled with
@@ -173,13 +174,14 @@ def run_method(method: str, args, questions: list[dict], log_dir: Path) -> dict:
     for c in args.concurrency:
         # Every method, every level: a fresh server (suffix's response cache and a hot matrix
         # would replay the answers to the same prompts from the level before), warmed up with
-        # short requests at the level's concurrency (a server's first steps of each batch
+        # requests at the level's concurrency and length (a server's first steps of each batch
         # shape are slow on the CPU: measured, a fresh server for no speculation at 4 clients
         # gave 39.0 tokens/s against 45.8 for one warmed by the level before).
         log_path = log_dir / f"{method.replace(' ', '_')}_c{c}.log"
         with Server(args.model, spec, log_path) as server:
-            warm = [[{"role": "user", "content": f"Hello {i}!"}] for i in range(max(2, c))]
-            asyncio.run(load(server.url, args.model, warm, max(2, c), 16, tqdm(disable=True)))
+            warm = [[{"role": "user", "content": f"Hello! Tell me something about the number {i}."}]
+                    for i in range(max(4, c))]
+            asyncio.run(load(server.url, args.model, warm, c, args.max_tokens, tqdm(disable=True)))
             n = min(args.max_requests, max(args.min_requests, 2 * c))
             requests = [[{"role": "user", "content": questions[i % len(questions)]["turns"][0]}]
                         for i in range(n)]
@@ -221,7 +223,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--concurrency", default="1,4,16,64")
     parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--min-requests", type=int, default=8)
+    parser.add_argument("--min-requests", type=int, default=16)
     parser.add_argument("--max-requests", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tag", default="cpu")

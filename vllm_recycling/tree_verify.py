@@ -340,9 +340,10 @@ def tree_attention(
     included); their values must be finite, as vLLM's caches hold (zero-filled at
     allocation, then written with the model's keys and values). Query heads h*G .. h*G+G-1 share key/value head h (G = H / H_kv), computed as
     one matrix product per key/value head without copying keys and values per query head.
-    Measured on 2 CPU cores, SmolLM2's shapes, 30 layers, one request with a 300-token prefix
-    and 4 nodes: 4.7 ms a step, against 7.3 ms when prefix positions were gathered one by one
-    and concatenated with this step's keys."""
+    Reading whole blocks replaced gathering prefix positions one by one and concatenating this
+    step's keys: on 2 CPU cores at SmolLM2's shapes, per layer, an 81-row tree over a 300-token
+    prefix 0.86 ms against 1.40, 16 requests of 17 rows 4.3 ms against 6.8, 17-row trees over
+    300-token prefixes unchanged (``benchmarks/tree_attention.py``)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     out = output.view(output.shape[0], num_heads, head_dim)
     width = step.rows.shape[1]

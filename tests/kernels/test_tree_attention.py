@@ -201,7 +201,7 @@ def test_reference_and_kernel_match_explicit_attention(device):
 def test_matches_cpu_tree_attention_on_a_planned_step(device):
     """A ``TreeStep`` planned from vLLM's host arrays (a prefill chunk, two cut trees, a
     request with no drafts): the kernel over the paged cache equals ``tree_verify``'s CPU tree
-    attention, which takes this step's keys and values apart and reads the prefix back."""
+    attention, which reads whole blocks back and masks them."""
     paths = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [1, 0, 0]]
     layout = TreeLayout.from_template(compile_tree(paths, topk=3), "cpu")
     num_draft, computed = np.array([0, 9, 0, 5]), np.array([0, 40, 7, 18])
@@ -223,14 +223,14 @@ def test_matches_cpu_tree_attention_on_a_planned_step(device):
             kv[block_table[b, pos // block_size], pos % block_size] = torch.cat([key[row], value[row]], -1)
     kv_cache = kv.permute(0, 2, 1, 3)
 
-    def read_prefix(req, positions):
-        b = step.req_index[req][:, None]
-        entries = kv[block_table[b, positions // block_size].long(), positions % block_size]
-        return entries[..., :dim], entries[..., dim:]
+    def read_cache(req, num_positions):
+        blocks = block_table[step.req_index[req], : -(-num_positions // block_size)].long()
+        entries = kv[blocks].flatten(1, 2)  # [g, L, H_kv, 2D]
+        return entries[..., :dim].permute(0, 2, 3, 1), entries[..., dim:].permute(0, 2, 1, 3)
 
     before = torch.randn((total, heads, dim), generator=g)
     want = before.clone()
-    cpu_tree_attention(step, query, key, value, want, read_prefix, scale=0.2)
+    cpu_tree_attention(step, query, want, read_cache, scale=0.2)
     got = before.to(device)
     args = (block_table.to(device), step.req_index.to(device), step.rows.to(device),
             step.num_rows.to(device), step.prefix_len.to(device), step.mask.to(device))

@@ -364,9 +364,11 @@ def topk_update(
     int32 into ``topk_out`` and its probabilities [T, k] float16 into ``probs_out`` when given.
 
     Triton when usable (``kernels.triton_usable``) and the kernel takes the input (fp32 / bf16 /
-    fp16 logits, k <= MAX_KERNEL_K, float16 probability buffers with unit column stride); the
-    PyTorch reference otherwise.
+    fp16 logits, k <= MAX_KERNEL_K, float16 probability buffers with unit column stride); else
+    the C kernel for CPU tensors it takes (``topk_update_cpu``); the PyTorch reference otherwise.
     """
+    from vllm_recycling.kernels import topk_update_cpu
+
     buffers = [b for b in (probs, probs_out) if b is not None]
     if (
         triton_usable(logits, rows, table, *buffers)
@@ -380,4 +382,10 @@ def topk_update(
         return topk_update_triton(
             logits, rows, table, topk_out=topk_out, probs=probs, probs_out=probs_out
         )
+    if (
+        rows.dim() == 1
+        and (topk_out is None or topk_out.dtype == torch.int32 and topk_out.is_contiguous())
+        and topk_update_cpu.takes(logits, table, probs, probs_out)
+    ):
+        return topk_update_cpu.update(logits, rows, table, probs, topk_out, probs_out)
     return topk_update_reference(logits, rows, table, topk_out, probs, probs_out)

@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from vllm_recycling.kernels import topk_update_cpu
 from vllm_recycling.kernels.draft_tree import Overlay
 from vllm_recycling.kernels.topk_update import topk_update
 from vllm_recycling.transfer import to_device
@@ -272,6 +273,16 @@ class AdjacencyMatrix:
             rows = torch.where(row_base[:, None] < 0, self.table.shape[0] - 1, rows)
         if overlay is None:
             return topk_update(logits, rows.reshape(-1), self.table, probs=self.probs)
+        keys, offset = overlay.keys, overlay.offset
+        entry = overlay.entries(tokens).reshape(-1)
+        if topk_update_cpu.takes(logits, self.table, self.probs):
+            # one C call: shared row and own entry of every node, and the entries' keys, written
+            # in node order (the last writer wins without the scratch row)
+            dest = torch.stack([rows.reshape(-1), offset + entry], dim=1)
+            return topk_update_cpu.update(
+                logits, dest, self.table, probs=self.probs, keys=keys, key_index=entry,
+                key_value=tokens.reshape(-1),
+            )
         top = torch.empty((logits.shape[0], self.topk), dtype=torch.int32, device=self.device)
         top_probs = None
         if self.probs is not None:
@@ -279,8 +290,6 @@ class AdjacencyMatrix:
         argmax = topk_update(
             logits, rows.reshape(-1), self.table, topk_out=top, probs=self.probs, probs_out=top_probs
         )
-        keys, offset = overlay.keys, overlay.offset
-        entry = overlay.entries(tokens).reshape(-1)
         # last writer per entry wins; the overridden writes go to the scratch row (no host sync)
         order = torch.arange(entry.shape[0], device=self.device)
         last = self._last_writer.scatter_reduce_(0, entry, order, "amax")

@@ -1,0 +1,172 @@
+/* The matrix update on the CPU: top-k, argmax and probabilities of each verification row,
+ * written into the adjacency matrix, in one C call (see topk_update_cpu.py for the rules and
+ * how this is built; topk_update.py's reference defines the results).
+ *
+ * Per logits row t (fp32, unit stride, rows ld apart):
+ *   pass 1: a running top-k of the row, scanned in ascending token id in blocks of BLOCK; a
+ *           block is looked at element by element only when its maximum (vector max over
+ *           LANES-wide loads) beats the list's worst entry (strictly: a later id with an equal
+ *           value ranks after it), which after the first blocks is rare;
+ *   pass 2: z = sum(exp(x - max)) with a polynomial exp, LANES partial sums;
+ *   then the list in (value desc, id asc) order goes to every destination row of t
+ *   (dest[t * num_dest + d], -1 none): table[row] = ids, probs[row] = exp(v - max) / z as fp16;
+ *   keys[key_index[t]] = key_value[t] when keys is given (the overlay's entry key).
+ * Rows are finished in order, so for a destination written by several rows the last one wins.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#define LANES 16   /* one vector of the scan: GCC / Clang vector extensions, any ISA */
+#define BLOCK 256  /* the top-k scan looks at a block element by element only on a hit */
+#define MAX_K 64
+
+typedef _Float16 half_t;
+typedef float vf __attribute__((vector_size(LANES * 4)));
+typedef int32_t vi __attribute__((vector_size(LANES * 4)));
+
+static inline vf load(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline vf vmax(vf a, vf b) {
+    vi m = a > b;
+    return (vf)(((vi)a & m) | ((vi)b & ~m));
+}
+
+static inline vf splat(float x) {
+    vf v;
+    for (int l = 0; l < LANES; l++) v[l] = x;
+    return v;
+}
+
+/* exp(x) for x <= 0, lane by lane (clamped at -87: exp(-inf) gives ~1e-38, not 0);
+ * relative error ~2e-7. */
+static inline vf vexp_nonpositive(vf x) {
+    x = vmax(x, splat(-87.0f));
+    vf t = x * 1.4426950408889634f;
+    vi n = __builtin_convertvector(t, vi);                /* toward zero */
+    n += (vi)(__builtin_convertvector(n, vf) > t);        /* floor: -1 where it rounded up */
+    vf f = t - __builtin_convertvector(n, vf);            /* 2^f, f in [0, 1) */
+    vf p = splat(1.5353362e-4f);
+    p = p * f + 1.3398874e-3f;
+    p = p * f + 9.6180354e-3f;
+    p = p * f + 5.5503476e-2f;
+    p = p * f + 2.4022652e-1f;
+    p = p * f + 6.9314720e-1f;
+    p = p * f + 1.0f;
+    return p * (vf)((n + 127) << 23);
+}
+
+static inline float exp_nonpositive(float x) {
+    vf v = splat(x);
+    return vexp_nonpositive(v)[0];
+}
+
+/* a ranks before b: higher value, then lower id */
+static inline int before(float va, int32_t ia, float vb, int32_t ib) {
+    return va > vb || (va == vb && ia < ib);
+}
+
+static int worst_of(const float *vals, const int32_t *ids, int k) {
+    int w = 0;
+    for (int i = 1; i < k; i++)
+        if (before(vals[w], ids[w], vals[i], ids[i])) w = i;
+    return w;
+}
+
+static void row_topk(const float *x, int64_t vocab, int k, float *vals, int32_t *ids) {
+    for (int i = 0; i < k; i++) {
+        vals[i] = x[i];
+        ids[i] = i;
+    }
+    int w = worst_of(vals, ids, k);
+    float worst = vals[w];
+    for (int64_t j = k; j < vocab;) {
+        int64_t end = j + BLOCK - j % BLOCK;
+        if (end > vocab) end = vocab;
+        if (j % BLOCK == 0 && end - j == BLOCK) { /* a whole block: one vector max first */
+            vf m = load(x + j);
+            for (int64_t l = LANES; l < BLOCK; l += LANES) m = vmax(m, load(x + j + l));
+            float top = m[0];
+            for (int l = 1; l < LANES; l++) top = m[l] > top ? m[l] : top;
+            if (!(top > worst)) {
+                j = end;
+                continue;
+            }
+        }
+        for (; j < end; j++) {
+            if (x[j] > worst) {
+                vals[w] = x[j];
+                ids[w] = (int32_t)j;
+                w = worst_of(vals, ids, k);
+                worst = vals[w];
+            }
+        }
+    }
+    /* insertion sort into (value desc, id asc) */
+    for (int i = 1; i < k; i++) {
+        float v = vals[i];
+        int32_t id = ids[i];
+        int m = i - 1;
+        while (m >= 0 && before(v, id, vals[m], ids[m])) {
+            vals[m + 1] = vals[m];
+            ids[m + 1] = ids[m];
+            m--;
+        }
+        vals[m + 1] = v;
+        ids[m + 1] = id;
+    }
+}
+
+static float row_sum_exp(const float *x, int64_t vocab, float max) {
+    vf acc = splat(0.0f), shift = splat(max);
+    int64_t j = 0;
+    for (; j + LANES <= vocab; j += LANES) acc += vexp_nonpositive(load(x + j) - shift);
+    float z = 0.0f;
+    for (; j < vocab; j++) z += exp_nonpositive(x[j] - max);
+    for (int l = 0; l < LANES; l++) z += acc[l];
+    return z;
+}
+
+/* Returns 0; -1 when k is out of range, -2 when a destination row or key index is out of
+ * range (nothing written then). */
+int rc_topk_update(const float *logits, int64_t num_rows, int64_t vocab, int64_t ld, int64_t k,
+                   const int64_t *dest, int64_t num_dest, int32_t *table, int64_t table_rows,
+                   half_t *probs, int32_t *topk_out, half_t *probs_out, int32_t *keys,
+                   int64_t num_keys, const int64_t *key_index, const int32_t *key_value,
+                   int64_t *argmax) {
+    if (k < 1 || k > MAX_K || k > vocab) return -1;
+    for (int64_t i = 0; i < num_rows * num_dest; i++)
+        if (dest[i] >= table_rows) return -2;
+    if (keys)
+        for (int64_t t = 0; t < num_rows; t++)
+            if (key_index[t] < 0 || key_index[t] >= num_keys) return -2;
+    int want_probs = probs != 0 || probs_out != 0;
+    float vals[MAX_K];
+    int32_t ids[MAX_K];
+    half_t p[MAX_K];
+    for (int64_t t = 0; t < num_rows; t++) {
+        const float *x = logits + t * ld;
+        row_topk(x, vocab, (int)k, vals, ids);
+        argmax[t] = ids[0];
+        if (want_probs) {
+            float z = row_sum_exp(x, vocab, vals[0]);
+            for (int i = 0; i < k; i++) p[i] = (half_t)(exp_nonpositive(vals[i] - vals[0]) / z);
+        }
+        if (topk_out)
+            for (int i = 0; i < k; i++) topk_out[t * k + i] = ids[i];
+        if (probs_out)
+            for (int i = 0; i < k; i++) probs_out[t * k + i] = p[i];
+        for (int64_t d = 0; d < num_dest; d++) {
+            int64_t row = dest[t * num_dest + d];
+            if (row < 0) continue;
+            for (int i = 0; i < k; i++) table[row * k + i] = ids[i];
+            if (probs)
+                for (int i = 0; i < k; i++) probs[row * k + i] = p[i];
+        }
+        if (keys) keys[key_index[t]] = key_value[t];
+    }
+    return 0;
+}

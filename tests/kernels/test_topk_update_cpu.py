@@ -1,0 +1,130 @@
+"""The C matrix update (kernels/topk_update_cpu.c) equals the PyTorch reference: the same argmax,
+the same ordered top-k in the same table rows (last writer wins), probabilities to fp16
+rounding; and AdjacencyMatrix.update gives the same matrix with it as without it in every scope."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_recycling.kernels import topk_update_cpu as cu
+from vllm_recycling.kernels.topk_update import topk_update_reference
+from vllm_recycling.matrix import AdjacencyMatrix
+
+pytestmark = pytest.mark.skipif(not cu.available(), reason="no C compiler: the C update is unavailable")
+
+
+def _logits(rows: int, vocab: int, seed: int, ties: bool = False) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if ties:  # few distinct values: many ties, inside and across the scan's blocks
+        return torch.randint(-3, 4, (rows, vocab), generator=g).float()
+    return torch.randn((rows, vocab), generator=g) * 3
+
+
+def _compare(logits, rows, k, num_table_rows=None):
+    num_table_rows = num_table_rows or logits.shape[1]
+    got = torch.zeros((num_table_rows, k), dtype=torch.int32)
+    want = got.clone()
+    got_p = torch.full(got.shape, -1.0, dtype=torch.float16)
+    want_p = got_p.clone()
+    got_top = torch.empty((logits.shape[0], k), dtype=torch.int32)
+    want_top = got_top.clone()
+    got_po = torch.empty((logits.shape[0], k), dtype=torch.float16)
+    want_po = got_po.clone()
+    a = cu.update(logits, rows, got, probs=got_p, topk_out=got_top, probs_out=got_po)
+    b = topk_update_reference(logits, rows, want, topk_out=want_top, probs=want_p, probs_out=want_po)
+    assert torch.equal(a, b)
+    assert torch.equal(got_top, want_top)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got_po, want_po, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(got_p, want_p, atol=1e-3, rtol=1e-3)
+    return got
+
+
+@pytest.mark.parametrize("k", [1, 2, 8, 64])
+@pytest.mark.parametrize("vocab", [64, 300, 1000, 49152 + 37])
+def test_random_rows_equal_the_reference(k, vocab):
+    if k > vocab:
+        pytest.skip("k > V")
+    logits = _logits(9, vocab, seed=k + vocab)
+    rows = torch.tensor([5, 9, 5, 0, 42, 9, 1, 63, 5])
+    _compare(logits, rows, k)
+
+
+@pytest.mark.parametrize("k", [2, 8])
+def test_ties_lower_id_first_and_infinities(k):
+    vocab = 600  # two whole scan blocks and a partial one
+    special = torch.zeros((6, vocab))
+    special[1, [3, 300, 599]] = 5.0  # the maximum three times, in three blocks: argmax is the first
+    special[2, :] = float("-inf")
+    special[2, [599, 1]] = 0.0  # -inf everywhere else: real -inf entries fill the rest, lowest ids first
+    special[3, 257] = 1.0  # the maximum first met inside the second block
+    special[4, ::2] = -0.0  # -0.0 and +0.0 tie
+    special[5, 511] = 9.0  # the last element of a whole block
+    logits = torch.cat([_logits(5, vocab, seed=11, ties=True), special])
+    table = _compare(logits, torch.arange(logits.shape[0]), k)
+    assert table[5].tolist() == list(range(k)) and table[6, 0] == 3
+    assert table[7, :2].tolist() == [1, 599] and table[8, 0] == 257
+    assert table[9].tolist() == list(range(k)) and table[10, 0] == 511
+
+
+def test_duplicates_last_in_order_wins():
+    logits = _logits(40, 700, seed=5)
+    rows = torch.randint(0, 3, (40,), generator=torch.Generator().manual_seed(5))
+    _compare(logits, rows, 4, num_table_rows=16)
+
+
+def test_two_destinations_keys_and_skips():
+    logits = torch.eye(4) * 3
+    table = torch.zeros((6, 1), dtype=torch.int32)
+    keys = torch.full((3,), -1, dtype=torch.int32)
+    dest = torch.tensor([[0, 4], [1, -1], [0, 5], [2, 4]])
+    argmax = cu.update(logits, dest, table, keys=keys, key_index=torch.tensor([1, 0, 2, 1]),
+                       key_value=torch.tensor([7, 8, 9, 10]))
+    assert argmax.tolist() == [0, 1, 2, 3]
+    assert table[:, 0].tolist() == [2, 1, 3, 0, 3, 2]
+    assert keys.tolist() == [8, 10, 9]
+
+
+def test_bad_rows_raise_before_writing():
+    table = torch.zeros((4, 2), dtype=torch.int32)
+    with pytest.raises(IndexError, match="4 rows"):
+        cu.update(_logits(2, 8, seed=0), torch.tensor([0, 4]), table)
+    assert table.eq(0).all()
+    with pytest.raises(ValueError, match="k = 2"):
+        cu.update(_logits(1, 1, seed=0), torch.tensor([0]), table)
+    assert cu.update(torch.empty((0, 8)), torch.empty(0, dtype=torch.int64), table).shape == (0,)
+
+
+def test_takes_only_what_it_handles():
+    table = torch.zeros((8, 2), dtype=torch.int32)
+    assert cu.takes(torch.zeros(3, 8), table)
+    assert not cu.takes(torch.zeros(3, 8, dtype=torch.bfloat16), table)
+    assert not cu.takes(torch.zeros(8, 3).t(), table)  # no unit column stride
+    assert not cu.takes(torch.zeros(3, 8), table, torch.zeros((8, 2)))  # fp32 probs
+
+
+@pytest.mark.parametrize("scope", ["shared", "per_request", "overlay", "salt"])
+def test_matrix_update_same_with_and_without_the_c_kernel(scope, monkeypatch):
+    vocab, k, num_req, nodes = 700, 4, 3, 9
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 40, (num_req, nodes), generator=g)  # many duplicates
+    logits = _logits(num_req * nodes, vocab, seed=3)
+
+    def run():
+        m = AdjacencyMatrix(vocab, k, scope, max_requests=4, overlay_rows=16, with_probs=True,
+                            salt_matrices=1)
+        for r, salt in zip(range(num_req), ["a", None, "b"]):  # salt "b" gets no matrix
+            m.allocate(f"r{r}", salt)
+        argmax = m.update(tokens, logits, m.slots([f"r{r}" for r in range(num_req)]))
+        return argmax, m.table, m.probs, m.keys
+
+    native = run()
+    monkeypatch.setitem(cu._state, "lib", None)
+    reference = run()
+    # the last table row is scratch (overlay, salt): it absorbs writes that do not count
+    rows = slice(None, -1) if scope in ("overlay", "salt") else slice(None)
+    assert torch.equal(native[0], reference[0]) and torch.equal(native[1][rows], reference[1][rows])
+    torch.testing.assert_close(native[2][rows], reference[2][rows], atol=1e-3, rtol=1e-3)
+    if scope in ("overlay", "salt"):
+        assert torch.equal(native[3], reference[3])

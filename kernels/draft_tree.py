@@ -255,7 +255,7 @@ def draft_tree(
     conf_out: torch.Tensor | None = None,
 ):
     """Build the batch's draft trees: Triton when usable (``kernels.triton_usable``), else the
-    reference.
+    C loop for CPU tensors (``native.draft``), else the reference.
 
     tree: a ``TreeTemplate`` (its parent, rank, level_starts, rank_path and depth), ideally on the
     table's device; probs [R, k] float16: the successors' probabilities, to also return each
@@ -272,9 +272,14 @@ def draft_tree(
             table, roots, tree.rank_path, tree.depth, row_base, prefix_len, out, positions_out,
             overlay=overlay, probs=probs, conf_out=conf_out,
         )
-    result = draft_tree_reference(
-        table, roots, tree.parent, tree.rank, tree.level_starts, row_base, overlay, probs
-    )
+    from vllm_recycling.kernels import native
+
+    if native.draft_takes(table, *tensors):
+        result = native.draft(table, roots, tree.parent, tree.rank, row_base, overlay, probs)
+    else:
+        result = draft_tree_reference(
+            table, roots, tree.parent, tree.rank, tree.level_starts, row_base, overlay, probs
+        )
     tokens, conf = result if probs is not None else (result, None)
     if out is not None:
         tokens = _check_out(out, tokens.shape, torch.int32, table.device, "out").copy_(tokens)

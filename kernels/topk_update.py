@@ -365,9 +365,9 @@ def topk_update(
 
     Triton when usable (``kernels.triton_usable``) and the kernel takes the input (fp32 / bf16 /
     fp16 logits, k <= MAX_KERNEL_K, float16 probability buffers with unit column stride); else
-    the C kernel for CPU tensors it takes (``topk_update_cpu``); the PyTorch reference otherwise.
+    the C kernel for CPU tensors it takes (``native``); the PyTorch reference otherwise.
     """
-    from vllm_recycling.kernels import topk_update_cpu
+    from vllm_recycling.kernels import native
 
     buffers = [b for b in (probs, probs_out) if b is not None]
     if (
@@ -385,7 +385,7 @@ def topk_update(
     if (
         rows.dim() == 1
         and (topk_out is None or topk_out.dtype == torch.int32 and topk_out.is_contiguous())
-        and topk_update_cpu.takes(logits, table, probs, probs_out)
+        and native.takes(logits, table, probs, probs_out)
     ):
-        return topk_update_cpu.update(logits, rows, table, probs, topk_out, probs_out)
+        return native.update(logits, rows, table, probs, topk_out, probs_out)
     return topk_update_reference(logits, rows, table, topk_out, probs, probs_out)

@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vllm_recycling.kernels import topk_update_cpu
+from vllm_recycling.kernels import native
 from vllm_recycling.kernels.draft_tree import Overlay
 from vllm_recycling.kernels.topk_update import topk_update
 from vllm_recycling.transfer import to_device
@@ -275,11 +275,11 @@ class AdjacencyMatrix:
             return topk_update(logits, rows.reshape(-1), self.table, probs=self.probs)
         keys, offset = overlay.keys, overlay.offset
         entry = overlay.entries(tokens).reshape(-1)
-        if topk_update_cpu.takes(logits, self.table, self.probs):
+        if native.takes(logits, self.table, self.probs):
             # one C call: shared row and own entry of every node, and the entries' keys, written
             # in node order (the last writer wins without the scratch row)
             dest = torch.stack([rows.reshape(-1), offset + entry], dim=1)
-            return topk_update_cpu.update(
+            return native.update(
                 logits, dest, self.table, probs=self.probs, keys=keys, key_index=entry,
                 key_value=tokens.reshape(-1),
             )

@@ -1,14 +1,19 @@
-"""The matrix update on the CPU in one C call (``topk_update_cpu.c``).
+"""The matrix's CPU kernels in C (``native.c``): the update and the drafts, one call each.
 
-On the CPU the PyTorch reference of the update costs a dozen operator calls and three passes
+Update. On the CPU the PyTorch reference of the update costs a dozen operator calls and three passes
 over each logits row (top-k, logsumexp, argmax inside them), plus the overlay scope's entry
 bookkeeping: about 0.4 ms for one row and 4.5 ms for 52 rows of a 49,152-token vocabulary on
 2 cores, paid on every decoding step, drafts or not. The C kernel reads each row twice (a
 top-k scan that is mostly one vector compare per 16 values, then a vectorised sum of
 exponentials), finishes rows in order (so for a destination written by several rows the last
 wins, as in the reference) and writes the table, the probabilities, the overlay entries and
-their keys itself. Results equal the reference's (tests/kernels/test_topk_update_cpu.py): the
+their keys itself. Results equal the reference's (tests/kernels/test_native.py): the
 same ids and argmax, probabilities to fp16 rounding.
+
+Drafts. The reference gathers level by level, about ten operator calls per level (six levels
+for the default tree, more with the overlay lookup): ~0.4 ms per step at one request. The C
+loop walks the nodes in breadth-first order for each request, the same lookups, exactly the
+reference's tokens and confidences.
 
 The source is compiled with the system C compiler the first time a process needs it
 (``-O3 -march=native``, about a second) into a per-user cache keyed by the source, the flags
@@ -33,9 +38,9 @@ from pathlib import Path
 import torch
 
 NATIVE_ENV = "VLLM_RECYCLING_NATIVE"
-SOURCE = Path(__file__).with_name("topk_update_cpu.c")
+SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11"]
-MAX_K = 64  # topk_update_cpu.c: MAX_K
+MAX_K = 64  # native.c: MAX_K
 
 _state: dict[str, object] = {}
 
@@ -95,11 +100,11 @@ def _build() -> Path:
     key = hashlib.sha256(
         b"\0".join([source, " ".join([cc, *FLAGS]).encode(), _cpu_flags().encode(), platform.machine().encode()])
     ).hexdigest()[:16]
-    target = _cache_dir() / f"topk_update_cpu-{key}.so"
+    target = _cache_dir() / f"native-{key}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".topk_update_cpu-", suffix=".so")
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".native-", suffix=".so")
     os.close(fd)
     try:
         done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
@@ -114,11 +119,12 @@ def _build() -> Path:
 
 def _load(path: Path):
     lib = ctypes.CDLL(str(path))
-    fn = lib.rc_topk_update
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [p, i64, i64, i64, i64, p, i64, p, i64, p, p, p, p, i64, p, p, p]
-    fn.restype = ctypes.c_int
-    return fn
+    lib.rc_topk_update.argtypes = [p, i64, i64, i64, i64, p, i64, p, i64, p, p, p, p, i64, p, p, p]
+    lib.rc_topk_update.restype = ctypes.c_int
+    lib.rc_draft.argtypes = [p, i64, i64, p, p, i64, p, p, i64, p, p, p, i64, i64, p, p]
+    lib.rc_draft.restype = ctypes.c_int
+    return lib
 
 
 def takes(logits: torch.Tensor, table: torch.Tensor, *buffers: torch.Tensor | None) -> bool:
@@ -171,7 +177,7 @@ def update(
     def ptr(t):
         return None if t is None else t.data_ptr()
 
-    rc = _library()(
+    rc = _library().rc_topk_update(
         logits.data_ptr(), num_rows, vocab, logits.stride(0), k, dest.data_ptr(), dest.shape[1],
         table.data_ptr(), table.shape[0], ptr(probs), ptr(topk_out), ptr(probs_out), ptr(keys),
         0 if keys is None else keys.numel(), ptr(key_index), ptr(key_value), argmax.data_ptr(),
@@ -181,3 +187,57 @@ def update(
     if rc == -2:
         raise IndexError(f"a destination row outside the table's {table.shape[0]} rows, or a key index outside keys")
     return argmax
+
+
+def draft_takes(table: torch.Tensor, *tensors: torch.Tensor | None) -> bool:
+    """Whether ``draft`` takes these tensors: all on the CPU, a contiguous int32 table and
+    contiguous float16 probabilities."""
+    return (
+        table.device.type == "cpu"
+        and table.dtype == torch.int32
+        and table.is_contiguous()
+        and all(t is None or t.device.type == "cpu" for t in tensors)
+        and available()
+    )
+
+
+def draft(
+    table: torch.Tensor,
+    roots: torch.Tensor,
+    parent: torch.Tensor,
+    rank: torch.Tensor,
+    row_base: torch.Tensor | None = None,
+    overlay=None,
+    probs: torch.Tensor | None = None,
+):
+    """What ``draft_tree_reference`` returns (tokens [B, N+1] int32, and conf [B, N+1] float32
+    with probs), in one C call. Check ``draft_takes`` first. A row outside the table raises
+    IndexError."""
+    num_req, num_nodes = roots.shape[0], parent.shape[0]
+    tokens = torch.empty((num_req, num_nodes), dtype=torch.int32)
+    conf = None
+    if probs is not None:
+        if probs.dtype != torch.float16 or not probs.is_contiguous() or probs.shape != table.shape:
+            raise ValueError(f"probs: expected float16 {tuple(table.shape)} contiguous")
+        conf = torch.empty((num_req, num_nodes), dtype=torch.float32)
+    if num_req:
+        i64 = [x if x is None else x.to(torch.int64).contiguous() for x in (roots, parent, rank, row_base)]
+        keys = key_base = None
+        offset = size = 0
+        if overlay is not None:
+            keys, key_base = overlay.keys.contiguous(), overlay.key_base.to(torch.int64).contiguous()
+            if keys.dtype != torch.int32:
+                raise ValueError(f"overlay keys: expected int32, got {keys.dtype}")
+            offset, size = overlay.offset, overlay.size
+
+        def ptr(t):
+            return None if t is None else t.data_ptr()
+
+        rc = _library().rc_draft(
+            table.data_ptr(), table.shape[0], table.shape[1], ptr(probs), i64[0].data_ptr(),
+            num_req, i64[1].data_ptr(), i64[2].data_ptr(), num_nodes, ptr(i64[3]), ptr(keys),
+            ptr(key_base), offset, size, tokens.data_ptr(), ptr(conf),
+        )
+        if rc == -2:
+            raise IndexError(f"a draft reads a row outside the table's {table.shape[0]} rows")
+    return tokens if conf is None else (tokens, conf)

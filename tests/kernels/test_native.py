@@ -1,17 +1,18 @@
-"""The C matrix update (kernels/topk_update_cpu.c) equals the PyTorch reference: the same argmax,
-the same ordered top-k in the same table rows (last writer wins), probabilities to fp16
-rounding; and AdjacencyMatrix.update gives the same matrix with it as without it in every scope."""
+"""The C kernels (kernels/native.c) equal their PyTorch references. Update: the same argmax, the
+same ordered top-k in the same table rows (last writer wins), probabilities to fp16 rounding;
+AdjacencyMatrix.update gives the same matrix with it as without it in every scope. Drafts: the
+same tokens and confidences in every scope."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from vllm_recycling.kernels import topk_update_cpu as cu
+from vllm_recycling.kernels import native
 from vllm_recycling.kernels.topk_update import topk_update_reference
 from vllm_recycling.matrix import AdjacencyMatrix
 
-pytestmark = pytest.mark.skipif(not cu.available(), reason="no C compiler: the C update is unavailable")
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler: the C update is unavailable")
 
 
 def _logits(rows: int, vocab: int, seed: int, ties: bool = False) -> torch.Tensor:
@@ -31,7 +32,7 @@ def _compare(logits, rows, k, num_table_rows=None):
     want_top = got_top.clone()
     got_po = torch.empty((logits.shape[0], k), dtype=torch.float16)
     want_po = got_po.clone()
-    a = cu.update(logits, rows, got, probs=got_p, topk_out=got_top, probs_out=got_po)
+    a = native.update(logits, rows, got, probs=got_p, topk_out=got_top, probs_out=got_po)
     b = topk_update_reference(logits, rows, want, topk_out=want_top, probs=want_p, probs_out=want_po)
     assert torch.equal(a, b)
     assert torch.equal(got_top, want_top)
@@ -79,7 +80,7 @@ def test_two_destinations_keys_and_skips():
     table = torch.zeros((6, 1), dtype=torch.int32)
     keys = torch.full((3,), -1, dtype=torch.int32)
     dest = torch.tensor([[0, 4], [1, -1], [0, 5], [2, 4]])
-    argmax = cu.update(logits, dest, table, keys=keys, key_index=torch.tensor([1, 0, 2, 1]),
+    argmax = native.update(logits, dest, table, keys=keys, key_index=torch.tensor([1, 0, 2, 1]),
                        key_value=torch.tensor([7, 8, 9, 10]))
     assert argmax.tolist() == [0, 1, 2, 3]
     assert table[:, 0].tolist() == [2, 1, 3, 0, 3, 2]
@@ -89,19 +90,19 @@ def test_two_destinations_keys_and_skips():
 def test_bad_rows_raise_before_writing():
     table = torch.zeros((4, 2), dtype=torch.int32)
     with pytest.raises(IndexError, match="4 rows"):
-        cu.update(_logits(2, 8, seed=0), torch.tensor([0, 4]), table)
+        native.update(_logits(2, 8, seed=0), torch.tensor([0, 4]), table)
     assert table.eq(0).all()
     with pytest.raises(ValueError, match="k = 2"):
-        cu.update(_logits(1, 1, seed=0), torch.tensor([0]), table)
-    assert cu.update(torch.empty((0, 8)), torch.empty(0, dtype=torch.int64), table).shape == (0,)
+        native.update(_logits(1, 1, seed=0), torch.tensor([0]), table)
+    assert native.update(torch.empty((0, 8)), torch.empty(0, dtype=torch.int64), table).shape == (0,)
 
 
 def test_takes_only_what_it_handles():
     table = torch.zeros((8, 2), dtype=torch.int32)
-    assert cu.takes(torch.zeros(3, 8), table)
-    assert not cu.takes(torch.zeros(3, 8, dtype=torch.bfloat16), table)
-    assert not cu.takes(torch.zeros(8, 3).t(), table)  # no unit column stride
-    assert not cu.takes(torch.zeros(3, 8), table, torch.zeros((8, 2)))  # fp32 probs
+    assert native.takes(torch.zeros(3, 8), table)
+    assert not native.takes(torch.zeros(3, 8, dtype=torch.bfloat16), table)
+    assert not native.takes(torch.zeros(8, 3).t(), table)  # no unit column stride
+    assert not native.takes(torch.zeros(3, 8), table, torch.zeros((8, 2)))  # fp32 probs
 
 
 @pytest.mark.parametrize("scope", ["shared", "per_request", "overlay", "salt"])
@@ -119,12 +120,45 @@ def test_matrix_update_same_with_and_without_the_c_kernel(scope, monkeypatch):
         argmax = m.update(tokens, logits, m.slots([f"r{r}" for r in range(num_req)]))
         return argmax, m.table, m.probs, m.keys
 
-    native = run()
-    monkeypatch.setitem(cu._state, "lib", None)
+    fast = run()
+    monkeypatch.setitem(native._state, "lib", None)
     reference = run()
     # the last table row is scratch (overlay, salt): it absorbs writes that do not count
     rows = slice(None, -1) if scope in ("overlay", "salt") else slice(None)
-    assert torch.equal(native[0], reference[0]) and torch.equal(native[1][rows], reference[1][rows])
-    torch.testing.assert_close(native[2][rows], reference[2][rows], atol=1e-3, rtol=1e-3)
+    assert torch.equal(fast[0], reference[0]) and torch.equal(fast[1][rows], reference[1][rows])
+    torch.testing.assert_close(fast[2][rows], reference[2][rows], atol=1e-3, rtol=1e-3)
     if scope in ("overlay", "salt"):
-        assert torch.equal(native[3], reference[3])
+        assert torch.equal(fast[3], reference[3])
+
+
+@pytest.mark.parametrize("scope", ["shared", "per_request", "overlay"])
+@pytest.mark.parametrize("tree", ["2.2.2", "chain6"])
+def test_drafts_equal_the_reference(scope, tree):
+    from vllm_recycling.kernels.draft_tree import draft_tree_reference
+    from vllm_recycling.tree import load_tree
+
+    vocab, k = 50, 8
+    template = load_tree(tree, k)
+    m = AdjacencyMatrix(vocab, k, scope, max_requests=3, overlay_rows=8, with_probs=True)
+    for r in range(3):
+        m.allocate(f"r{r}")
+    g = torch.Generator().manual_seed(7)
+    slots = m.slots(["r0", "r1", "r2"])
+    for _ in range(3):  # rows learnt from logits, overlay entries with colliding keys
+        tokens = torch.randint(0, vocab, (3, 6), generator=g)
+        m.update(tokens, torch.randn((18, vocab), generator=g), slots)
+    roots = torch.tensor([3, 17, 3])
+    row_base, overlay = m.lookup(slots)
+    got = native.draft(m.table, roots, template.parent, template.rank, row_base, overlay, m.probs)
+    want = draft_tree_reference(m.table, roots, template.parent, template.rank,
+                                template.level_starts, row_base, overlay, m.probs)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(native.draft(m.table, roots, template.parent, template.rank, row_base, overlay),
+                       want[0])
+
+
+def test_draft_row_outside_the_table_raises():
+    table = torch.full((4, 1), 9, dtype=torch.int32)  # token 9 has no row
+    parent, rank = torch.tensor([-1, 0, 1]), torch.tensor([0, 0, 0])
+    with pytest.raises(IndexError, match="4 rows"):
+        native.draft(table, torch.tensor([1]), parent, rank)

@@ -1,5 +1,5 @@
 /* The matrix update on the CPU: top-k, argmax and probabilities of each verification row,
- * written into the adjacency matrix, in one C call (see topk_update_cpu.py for the rules and
+ * written into the adjacency matrix, in one C call (see native.py for the rules and
  * how this is built; topk_update.py's reference defines the results).
  *
  * Per logits row t (fp32, unit stride, rows ld apart):
@@ -167,6 +167,38 @@ int rc_topk_update(const float *logits, int64_t num_rows, int64_t vocab, int64_t
                 for (int i = 0; i < k; i++) probs[row * k + i] = p[i];
         }
         if (keys) keys[key_index[t]] = key_value[t];
+    }
+    return 0;
+}
+
+/* The draft trees of a batch (draft_tree.py's reference defines the results): for request b and
+ * node i > 0 (breadth-first, parent[i] < i), tok = tokens[b, parent[i]] and
+ *   row = row_base[b] + tok (row_base NULL: tok); with keys (the overlay): e = key_base[b] +
+ *   (tok & (size - 1)), and row = offset + e where keys[e] == tok;
+ *   tokens[b, i] = table[row, rank[i]], conf[b, i] = probs[row, rank[i]] (conf NULL: none).
+ * tokens[b, 0] = roots[b], conf[b, 0] = 1. Returns 0, or -2 at a row outside the table (what
+ * was written before it stays). */
+int rc_draft(const int32_t *table, int64_t table_rows, int64_t k, const half_t *probs,
+             const int64_t *roots, int64_t batch, const int64_t *parent, const int64_t *rank,
+             int64_t num_nodes, const int64_t *row_base, const int32_t *keys,
+             const int64_t *key_base, int64_t offset, int64_t size, int32_t *tokens, float *conf) {
+    for (int64_t b = 0; b < batch; b++) {
+        int32_t *tok = tokens + b * num_nodes;
+        float *c = conf ? conf + b * num_nodes : 0;
+        int64_t base = row_base ? row_base[b] : 0;
+        tok[0] = (int32_t)roots[b];
+        if (c) c[0] = 1.0f;
+        for (int64_t i = 1; i < num_nodes; i++) {
+            int64_t t = tok[parent[i]];
+            int64_t row = base + t;
+            if (keys) {
+                int64_t e = key_base[b] + (t & (size - 1));
+                if (keys[e] == t) row = offset + e;
+            }
+            if (row < 0 || row >= table_rows) return -2;
+            tok[i] = table[row * k + rank[i]];
+            if (c) c[i] = (float)probs[row * k + rank[i]];
+        }
     }
     return 0;
 }

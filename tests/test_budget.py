@@ -11,8 +11,10 @@ from vllm_recycling.budget import (
     Calibration,
     StepCost,
     admit,
+    break_even,
     chain_nodes,
     confidence_bins,
+    nothing_pays,
     profile_sizes,
 )
 from vllm_recycling.tree import compile_tree, load_tree
@@ -57,6 +59,55 @@ def test_nothing_when_every_draft_costs_more_than_it_brings():
     got = admit(SURVIVAL, CHAIN, num_decoding=1, base_tokens=1, cost=linear(10.0))
     assert not got.mask.any() and got.num_admitted == 0 and got.trees == 0
     assert got.expected == 1.0 and got.seconds == pytest.approx(11.0)
+
+
+def test_break_even_of_a_linear_cost_and_a_staircase():
+    # 1 + 0.1 t: a node pays when R * 0.1 / (1 + 0.1 * base) < its survival; base 1: 1 / 11
+    assert break_even(linear(0.1), 1, 1, 3) == pytest.approx(0.1 / 1.1)
+    assert break_even(linear(0.1), 4, 4, 10) == pytest.approx(0.4 / 1.4)
+    assert nothing_pays(0.09, linear(0.1), 1, 1, 3) and not nothing_pays(0.091, linear(0.1), 1, 1, 3)
+
+    def stairs(tokens, trees):  # 2 tokens cost as much as 1 more, 3 and 4 nothing more than 2
+        return np.array([{1: 1.0, 2: 1.3, 3: 1.3, 4: 1.3}.get(int(t), 9.0) for t in np.atleast_1d(tokens)])
+
+    # B = 3 at 0.3 / 3 = 0.1 is the cheapest per node, lower than B = 1 (0.3)
+    assert break_even(stairs, 1, 1, 3) == pytest.approx(0.1)
+    survival = torch.tensor([[0.11, 0.11, 0.11]])  # each node alone does not pay, three do
+    assert not nothing_pays(0.11, stairs, 1, 1, 3)
+    assert admit(survival, torch.tensor([True, True, True]), 1, 1, stairs).num_admitted == 3
+    assert nothing_pays(0.0999, stairs, 1, 1, 3)
+
+
+def test_nothing_pays_agrees_with_the_full_admission(monkeypatch):
+    import vllm_recycling.budget as budget
+
+    tree = load_tree("2.2.2", 8)
+    chain = chain_nodes(tree.parent, tree.rank)
+    cal = Calibration()
+    g = torch.Generator().manual_seed(1)
+    for per_token in (0.001, 0.01, 0.03, 0.1, 0.3):
+        for batch in (1, 3, 8):
+            conf = torch.rand((batch, tree.num_nodes + 1), generator=g) ** 3
+            survival = cal.survival(conf, tree.parent.clamp(min=0), tree.level_starts)[:, 1:]
+            cost = linear(per_token, per_tree=0.01)
+            quick = nothing_pays(float(survival.max()), cost, batch, batch, survival.numel())
+            with monkeypatch.context() as m:
+                m.setattr(budget, "nothing_pays", lambda *a: False)
+                full = admit(survival, chain, batch, batch, cost)
+            if quick:
+                assert full.num_admitted == 0
+            assert admit(survival, chain, batch, batch, cost).mask.tolist() == full.mask.tolist()
+
+
+def test_step_cost_caches_break_even_until_the_next_agreement():
+    cost = StepCost([1, 2, 4], [1.0, 1.1, 1.2])
+    cost.agree()
+    first = break_even(cost, 1, 1, 3)
+    assert first == pytest.approx(0.2 / 3)  # B = 1: 0.1, B = 2: 0.15 / 2, B = 3: 0.2 / 3
+    cost.theta = np.array([0.0, 1.0])  # a dear token, not agreed yet: the cached value stays
+    assert break_even(cost, 1, 1, 3) == first
+    cost.agree()
+    assert break_even(cost, 1, 1, 3) > first
 
 
 def test_ties_go_to_the_earlier_request_and_the_parent():

@@ -25,7 +25,10 @@ hardware at this batch size. Per step, over all requests of the batch:
   never grows along a path), B* = argmax_B (R + sum of the admitted survivals) / cost(base + B),
   B = 0 (plain decoding) included; once over the rank-0 chain of each request (vLLM verifies a
   chain without tree attention) and once over the whole tree (paying the tree term for each
-  request that gets a node off its chain), the better of the two.
+  request that gets a node off its chain), the better of the two. ``nothing_pays`` answers
+  B = 0 first when even the most likely node cannot pay (``break_even``, cached per cost
+  agreement): then neither the sort nor the cost curve is evaluated, and the proposer does not
+  even draft when the calibration's largest edge is below it.
 """
 
 from __future__ import annotations
@@ -73,6 +76,8 @@ class Calibration:
         self.num_bins = num_bins
         self.device = torch.device(device)
         self.table = torch.tensor(self.hits / self.trials, dtype=torch.float32, device=self.device)
+        # the largest edge acceptance of the table: no node survives more (host float)
+        self.max_edge = float(np.max(self.hits / self.trials))
 
     def observe(self, bins: np.ndarray, accepted: np.ndarray) -> None:
         """bins [n] int: the bins of nodes whose parent was accepted; accepted [n] bool."""
@@ -83,7 +88,9 @@ class Calibration:
         full = self.trials >= MAX_TRIALS
         self.trials[full] *= 0.5
         self.hits[full] *= 0.5
-        self.table.copy_(torch.from_numpy(self.hits / self.trials))  # in place: no new tensor per step
+        rates = self.hits / self.trials
+        self.table.copy_(torch.from_numpy(rates))  # in place: no new tensor per step
+        self.max_edge = float(rates.max())
 
     def survival(self, conf: torch.Tensor, parent: torch.Tensor, level_starts: tuple[int, ...]) -> torch.Tensor:
         """conf [R, M] (node 0 the root, breadth-first) -> survival [R, M] (1 at the root).
@@ -117,6 +124,7 @@ class StepCost:
         self.observed = 0
         self.tree_steps = 0  # steps with a branching tree seen (the first TREE_WARMUP_STEPS untimed)
         self._tree_timed = False  # a tree step timed since the last agreement
+        self._break_even: dict[tuple[int, int, int], float] = {}  # break_even() per agreement
 
     def profile(self, tokens: np.ndarray | torch.Tensor):
         t = tokens.double().cpu().numpy() if isinstance(tokens, torch.Tensor) else np.asarray(tokens, np.float64)
@@ -161,6 +169,30 @@ class StepCost:
         if all_reduce_mean is not None:
             params = all_reduce_mean(params)
         self.agreed = np.asarray(params, dtype=np.float64).copy()
+        self._break_even.clear()
+
+
+def break_even(cost: Callable, num_decoding: int, base_tokens: int, max_nodes: int) -> float:
+    """The survival below which no set of nodes pays: nodes each surviving with probability
+    at most s raise R + B * s over cost(base + B) no higher than plain decoding's R / cost(base)
+    for every B in 1..max_nodes when s <= min over B of R * (cost(base + B) / cost(base) - 1) / B
+    (trees only add cost). Cached per agreement by a ``StepCost``."""
+    key = (num_decoding, base_tokens, max_nodes)
+    cache = getattr(cost, "_break_even", None)
+    if cache is not None and key in cache:
+        return cache[key]
+    sizes = np.arange(1, max_nodes + 1, dtype=np.float64)
+    seconds = cost(base_tokens + np.concatenate([[0.0], sizes]), 0)
+    value = float(np.min(num_decoding * (seconds[1:] / seconds[0] - 1.0) / sizes)) if max_nodes else math.inf
+    if cache is not None:
+        cache[key] = value
+    return value
+
+
+def nothing_pays(max_survival: float, cost: Callable, num_decoding: int, base_tokens: int, max_nodes: int) -> bool:
+    """Whether ``admit`` would choose B = 0 whatever the nodes, given that none survives with
+    more than max_survival (with a margin for rounding: when this says so, admit agrees)."""
+    return max_survival * (1.0 + 1e-6) + 1e-12 <= break_even(cost, num_decoding, base_tokens, max_nodes)
 
 
 @dataclass
@@ -191,6 +223,8 @@ def admit(
     and earlier) is always admitted before its child.
     """
     num_req, num_nodes = survival.shape
+    if not survival.numel() or nothing_pays(float(survival.max()), cost, num_decoding, base_tokens, survival.numel()):
+        return no_drafts(num_req, num_nodes, num_decoding, base_tokens, cost, survival.device)
     best = None
     for tree in (False, True):
         cand = survival if tree else survival * chain[None, :].to(survival.dtype)
@@ -219,6 +253,13 @@ def admit(
     mask[order[:b]] = True
     return Admission(mask.view(num_req, num_nodes), b, trees, num_decoding + gain,
                      (num_decoding + gain) / value)
+
+
+def no_drafts(num_req: int, num_nodes: int, num_decoding: int, base_tokens: int, cost: Callable,
+              device: torch.device | str = "cpu") -> Admission:
+    """The decision B = 0: plain decoding."""
+    mask = torch.zeros((num_req, num_nodes), dtype=torch.bool, device=device)
+    return Admission(mask, 0, 0, float(num_decoding), float(np.asarray(cost(base_tokens, 0))))
 
 
 def chain_nodes(parent: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:

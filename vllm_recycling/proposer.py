@@ -40,6 +40,8 @@ from vllm_recycling.budget import (
     admit,
     chain_nodes,
     confidence_bins,
+    no_drafts,
+    nothing_pays,
     profile_sizes,
 )
 
@@ -259,6 +261,15 @@ class RecyclingProposer:
         ]
         if not active:
             return drafts
+        num_decoding = sum(1 for x in sampled_token_ids if x)
+        base_tokens, num_nodes = len(sampled_token_ids), self.template.num_nodes
+        if self.auto and nothing_pays(
+            self.calibration.max_edge, self.cost, num_decoding, base_tokens, len(active) * num_nodes
+        ):
+            # no node survives more than the calibration's best edge, and that does not pay:
+            # plain decoding, decided without drafting (what admit would decide)
+            self._record(no_drafts(len(active), num_nodes, num_decoding, base_tokens, self.cost))
+            return drafts
         roots = torch.tensor(
             [sampled_token_ids[i][-1] for i in active], dtype=torch.int64, device=self.matrix.device
         )
@@ -272,14 +283,8 @@ class RecyclingProposer:
             return drafts
         tokens, conf = self.matrix.draft(roots, self.template, slots, with_probs=True)
         survival = self.calibration.survival(conf, self._parent, self.template.level_starts)
-        decision = admit(
-            survival[:, 1:], self.chain, num_decoding=sum(1 for x in sampled_token_ids if x),
-            base_tokens=len(sampled_token_ids), cost=self.cost,
-        )
-        self.last_admission = decision
-        self._predicted = decision.seconds
-        mask = decision.mask.cpu().numpy()
-        self.decision_digest = zlib.crc32(mask.tobytes(), self.decision_digest)
+        decision = admit(survival[:, 1:], self.chain, num_decoding, base_tokens, self.cost)
+        mask = self._record(decision)
         tokens_np = tokens[:, 1:].cpu().numpy()
         bins = confidence_bins(conf[:, 1:].cpu().numpy())
         for k, i in enumerate(active):  # vLLM takes one Python list of drafts per request
@@ -288,6 +293,15 @@ class RecyclingProposer:
                 drafts[i] = tokens_np[k, nodes].tolist()
                 self._sent[self._batch_req_ids[i]] = (nodes + 1, bins[k, nodes])
         return drafts
+
+    def _record(self, decision) -> np.ndarray:
+        """Keep the step's decision (benchmarks, tests, the log) and its checksum (the ranks of
+        a tensor-parallel group must agree); returns its mask on the host."""
+        self.last_admission = decision
+        self._predicted = decision.seconds
+        mask = decision.mask.cpu().numpy()
+        self.decision_digest = zlib.crc32(mask.tobytes(), self.decision_digest)
+        return mask
 
     def _learn_from_step(self, sampled_token_ids: list[list[int]]) -> None:
         """budget="auto": fold the step that just ended into the cost model (its measured

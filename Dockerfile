@@ -24,8 +24,9 @@ ENV VLLM_CPU_KVCACHE_SPACE=4 \
     PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
 # tcmalloc and Intel OpenMP preloaded, as vLLM's CPU worker asks (3-7% shorter steps measured,
 # benchmarks/results/spec_bench_cpu_preload_*.md); libiomp5 comes with vllm-cpu into /usr/local/lib.
+# gcc: the matrix update and drafts compile for the CPU they run on at first use (kernels/native.py).
 # hadolint ignore=DL3008
-RUN apt-get update && apt-get install -y --no-install-recommends libtcmalloc-minimal4 \
+RUN apt-get update && apt-get install -y --no-install-recommends libtcmalloc-minimal4 gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/* \
     && ln -s "/usr/lib/$(uname -m)-linux-gnu/libtcmalloc_minimal.so.4" /usr/local/lib/
 WORKDIR /opt/vllm-recycling

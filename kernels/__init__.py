@@ -1,10 +1,10 @@
 """Triton kernels, each beside its PyTorch reference.
 
-Every operation has one dispatcher (``draft_tree``, ``topk_update``) that picks the Triton kernel
-or the PyTorch reference with ``triton_usable``; callers never choose. Triton runs when the
-tensors are on CUDA and triton imports, or when ``TRITON_INTERPRET=1`` is set (CPU tensors then
-go through Triton's interpreter, which is how the kernel tests run without a GPU); everything
-else takes the reference.
+Every operation has one dispatcher (``draft_tree``, ``topk_update``) that picks the Triton kernel,
+the C kernel or the PyTorch reference; callers never choose. Triton runs when the tensors are on
+CUDA and triton imports, or when ``TRITON_INTERPRET=1`` is set (CPU tensors then go through
+Triton's interpreter, which is how the kernel tests run without a GPU); other CPU tensors take
+the C kernels of ``native`` where a C compiler built them; everything else takes the reference.
 
 triton is imported lazily, on the first dispatch that wants it, so this package imports (and
 ``TRITON_INTERPRET`` can still be set) without it. The interpreter has to be selected before

@@ -35,8 +35,9 @@ def test_wheel_contains_kernels_configs_and_data(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     for tree in ("2.2.2", "chain6", "tree16", "tree32"):
         assert f"vllm_recycling/configs/trees/{tree}.json" in names
-    for kernel in ("draft_tree", "topk_update"):
+    for kernel in ("draft_tree", "topk_update", "native"):
         assert f"vllm_recycling/kernels/{kernel}.py" in names
+    assert "vllm_recycling/kernels/native.c" in names  # compiled where it runs
     assert "vllm_recycling/configs/tiny_corpus.txt" in names
     assert "vllm_recycling/data/spec_bench_sample.jsonl" in names
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))

@@ -396,6 +396,14 @@ class VerifyTree(MethodPatch):
     ``input_batch.update_async_output_token_ids()`` and ``_get_spec_decode_draft_probs``, which
     is right only because ``custom_class`` turns async scheduling off (see the module
     docstring) and our drafts have no probabilities (None).
+
+    (4) A step where no request has drafts (the budget admitted nothing) is sampled by vLLM's
+    plain ``Sampler`` (3447-3451), as without speculation: with speculation configured vLLM
+    sends every step through the rejection sampler (2184-2229), which for zero drafts samples
+    each request's bonus row with the same ``Sampler`` (rejection_sampler.py:141-155; its
+    ``predict_bonus_token`` only appends the empty draft lists to penalty histories, 379-420)
+    after copying the logits rows, and returns one token per request. Its output has one
+    column, so bookkeeping takes the path of no speculative tokens (3517-3525).
     """
 
     name = "verify_tree"
@@ -421,7 +429,9 @@ class VerifyTree(MethodPatch):
                 num_draft_tokens=spec_decode_metadata.num_draft_tokens,
             )
             output = None
-            if drafter.layout is not None:
+            if not any(spec_decode_metadata.num_draft_tokens):
+                output = self.sampler(logits=logits, sampling_metadata=self.input_batch.sampling_metadata)
+            elif drafter.layout is not None:
                 output = drafter.verify_tree(
                     logits, tokens, spec_decode_metadata,
                     sampling_metadata=self.input_batch.sampling_metadata,

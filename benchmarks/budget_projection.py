@@ -79,7 +79,7 @@ def staircase(tokens: np.ndarray, seconds: np.ndarray):
     order = np.argsort(tokens)
     tokens, seconds = tokens[order], np.maximum.accumulate(seconds[order])
 
-    def cost(t, trees=0):
+    def cost(t, trees=0, drafted=0):
         t = np.asarray(t, dtype=np.float64)
         i = np.minimum(np.searchsorted(tokens, t, side="left"), len(tokens) - 1)
         beyond = t > tokens[-1]

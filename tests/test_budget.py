@@ -20,9 +20,10 @@ from vllm_recycling.budget import (
 from vllm_recycling.tree import compile_tree, load_tree
 
 
-def linear(per_token: float, per_tree: float = 0.0):
-    def cost(tokens, trees):
-        return 1.0 + per_token * np.asarray(tokens, dtype=np.float64) + per_tree * np.asarray(trees)
+def linear(per_token: float, per_tree: float = 0.0, per_drafting_step: float = 0.0):
+    def cost(tokens, trees, drafted=0):
+        return (1.0 + per_token * np.asarray(tokens, dtype=np.float64) + per_tree * np.asarray(trees)
+                + per_drafting_step * np.asarray(drafted, dtype=np.float64))
 
     return cost
 
@@ -67,7 +68,7 @@ def test_break_even_of_a_linear_cost_and_a_staircase():
     assert break_even(linear(0.1), 4, 4, 10) == pytest.approx(0.4 / 1.4)
     assert nothing_pays(0.09, linear(0.1), 1, 1, 3) and not nothing_pays(0.091, linear(0.1), 1, 1, 3)
 
-    def stairs(tokens, trees):  # 2 tokens cost as much as 1 more, 3 and 4 nothing more than 2
+    def stairs(tokens, trees, drafted=0):  # 2 tokens cost as much as 1 more, 3 and 4 nothing more than 2
         return np.array([{1: 1.0, 2: 1.3, 3: 1.3, 4: 1.3}.get(int(t), 9.0) for t in np.atleast_1d(tokens)])
 
     # B = 3 at 0.3 / 3 = 0.1 is the cheapest per node, lower than B = 1 (0.3)
@@ -104,21 +105,21 @@ def test_step_cost_caches_break_even_until_the_next_agreement():
     cost.agree()
     first = break_even(cost, 1, 1, 3)
     assert first == pytest.approx(0.2 / 3)  # B = 1: 0.1, B = 2: 0.15 / 2, B = 3: 0.2 / 3
-    cost.theta = np.array([0.0, 1.0])  # a dear token, not agreed yet: the cached value stays
+    cost.theta = np.array([0.0, 1.0, 0.0])  # a dear token, not agreed yet: the cached value stays
     assert break_even(cost, 1, 1, 3) == first
     cost.agree()
     assert break_even(cost, 1, 1, 3) > first
 
 
 def test_ties_go_to_the_earlier_request_and_the_parent():
-    def cost(tokens, trees):  # a second draft token costs too much
+    def cost(tokens, trees, drafted=0):  # a second draft token costs too much
         return np.array([{2: 1.2, 3: 1.3}.get(int(t), 2.0) for t in np.atleast_1d(tokens)])
 
     survival = torch.tensor([[0.5], [0.5]])
     got = admit(survival, torch.tensor([True]), num_decoding=2, base_tokens=2, cost=cost)
     assert got.mask.tolist() == [[True], [False]]
     # one request, a node and its child equally likely: the parent first
-    def cost1(tokens, trees):
+    def cost1(tokens, trees, drafted=0):
         return np.array([{1: 1.0, 2: 1.1}.get(int(t), 5.0) for t in np.atleast_1d(tokens)])
 
     got = admit(torch.tensor([[0.5, 0.5]]), torch.tensor([True, True]), 1, 1, cost1)
@@ -173,18 +174,42 @@ def test_step_cost_profile_and_online_fit():
     assert cost(np.array([4]), 1).tolist() == pytest.approx([1.2])  # nothing learnt yet
     rng = np.random.default_rng(0)
     for _ in range(3000):
-        t, trees = int(rng.integers(1, 40)), int(rng.integers(0, 3))
+        t, trees, drafted = int(rng.integers(1, 40)), int(rng.integers(0, 3)), bool(rng.integers(0, 2))
         tree_s = 0.3 * trees
-        cost.observe(t, trees, tree_s, float(cost.profile(np.array([t]))[0]) + 0.5 + 0.01 * t + tree_s)
+        seconds = float(cost.profile(np.array([t]))[0]) + 0.5 + 0.01 * t + tree_s + 0.02 * drafted
+        cost.observe(t, trees, tree_s, seconds, drafted=drafted)
     assert cost.observed == 3000 - 2  # the first TREE_WARMUP_STEPS tree steps are not timed
     assert cost(np.array([4]), 1).tolist() == pytest.approx([1.2])  # not agreed yet
     cost.agree()
-    assert cost.agreed == pytest.approx([0.5, 0.01, 0.3], abs=1e-6)
+    assert cost.agreed == pytest.approx([0.5, 0.01, 0.3, 0.02], abs=1e-5)
+    assert cost(np.array([4, 4]), 1, np.array([0, 1])).tolist() == pytest.approx(
+        [1.2 + 0.54 + 0.3, 1.2 + 0.56 + 0.3], abs=1e-4)
     cost.agree(lambda params: params * 0 + 1.0)  # what the ranks agree on is what decides
     assert cost(np.array([2]), 1).tolist() == pytest.approx([1.2 + 1 + 2 + 1])
-    cost.theta[1] = -0.5
+    cost.theta[1] = cost.theta[2] = -0.5
     cost.agree()
-    assert cost.agreed[1] == 0.0  # never a negative cost per token
+    assert cost.agreed[1] == 0.0 and cost.agreed[3] == 0.0  # never a negative cost
+
+
+def test_step_cost_stays_bounded_when_every_step_drafts():
+    # every step drafts: d and a cannot be told apart; forgetting must not blow the fit up
+    cost = StepCost([1, 64], [0.01, 0.05])
+    for i in range(20000):
+        t = 2 + i % 3
+        cost.observe(t, 0, 0.0, float(cost.profile(np.array([t]))[0]) + 0.004 + 0.001 * t, drafted=True)
+    cost.agree()
+    assert np.trace(cost.cov) <= 1.0 + 2e-4 + 1e-12 and np.isfinite(cost.theta).all()
+    assert float(cost(3, 0, 1)) == pytest.approx(float(cost.profile(np.array([3]))[0]) + 0.007, abs=1e-6)
+
+
+def test_a_drafting_step_cost_keeps_marginal_drafts_out():
+    # one request, one node surviving 0.1, tokens at 0.1: pays (1.1 / 1.2 > 1 / 1.1); with 0.05
+    # per drafting step it does not (1.1 / 1.25 < 1 / 1.1)
+    survival = torch.tensor([[0.1]])
+    assert admit(survival, torch.tensor([True]), 1, 1, linear(0.1)).num_admitted == 1
+    got = admit(survival, torch.tensor([True]), 1, 1, linear(0.1, per_drafting_step=0.05))
+    assert got.num_admitted == 0 and got.seconds == pytest.approx(1.1)
+    assert break_even(linear(0.1, per_drafting_step=0.05), 1, 1, 1) == pytest.approx(0.15 / 1.1)
 
 
 def test_tree_cost_skips_first_tree_steps_and_decays_without_trees():

@@ -61,9 +61,9 @@ def _flat_cost_and_count_subtrees(worker):
     from vllm_recycling import tree_verify
 
     class FlatCost:
-        agreed = np.zeros(3)
+        agreed = np.zeros(4)
 
-        def __call__(self, tokens, trees=0):
+        def __call__(self, tokens, trees=0, drafted=0):
             return np.ones_like(np.asarray(tokens, dtype=np.float64))
 
         def observe(self, *args):

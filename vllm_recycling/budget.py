@@ -13,8 +13,9 @@ hardware at this batch size. Per step, over all requests of the batch:
   and all its ancestors are accepted), computed level by level, so a child never survives
   more than its parent.
 - ``StepCost``: seconds per step as a function of the tokens in it: a start-up profile of
-  the forward pass (``profile``), plus ``a + b * tokens`` fitted online by recursive least
-  squares on measured step times (sampling, the matrix update, scheduling), plus ``c`` per
+  the forward pass (``profile``), plus ``a + b * tokens + d * drafted`` fitted online by
+  recursive least squares on measured step times (sampling, the matrix update, scheduling; d:
+  what a step with any drafts costs beyond its tokens, the verification path), plus ``c`` per
   request with a branching tree: tree attention and path choice, timed where they run and
   averaged per tree request (a regression cannot separate it from the tokens it comes with;
   the first tree steps are not timed, and the term decays while no tree is verified, so one
@@ -104,8 +105,10 @@ class Calibration:
 
 
 class StepCost:
-    """Seconds per step: ``profile(tokens) + a + b * tokens + c * trees`` (trees: requests with
-    a branching tree in the step)."""
+    """Seconds per step: ``profile(tokens) + a + b * tokens + c * trees + d * drafted`` (trees:
+    requests with a branching tree in the step; drafted: 1 when any request has drafts, what
+    verifying costs beyond the tokens whatever their number: vLLM's rejection sampler instead of
+    its sampler, the step plan, the calibration's bookkeeping)."""
 
     def __init__(self, sizes, seconds, forget: float = 0.995) -> None:
         sizes = np.asarray(sizes, dtype=np.float64)
@@ -115,12 +118,16 @@ class StepCost:
         self.sizes, self.seconds = sizes, seconds
         # beyond the profile: the slope of its last two points
         self.tail_slope = max(0.0, (seconds[-1] - seconds[-2]) / (sizes[-1] - sizes[-2]))
-        self.theta = np.zeros(2)
-        self.cov = np.diag([1.0, 1e-4])  # prior: a few ms per step, ~0 per token
+        self.theta = np.zeros(3)
+        # prior: a few ms per step, ~0 per token, ~0 per drafting step; the trace never grows
+        # past the prior's (forgetting inflates directions the steps do not vary in, e.g. d
+        # while every step drafts)
+        self.cov = np.diag([1.0, 1e-4, 1e-4])
+        self._max_trace = float(np.trace(self.cov))
         self.forget = forget
         self.per_tree = 0.0  # c: running mean of measured tree seconds per tree request
         self.tree_weight = 0.0
-        self.agreed = np.zeros(3)  # a, b, c as decisions use them
+        self.agreed = np.zeros(4)  # a, b, c, d as decisions use them
         self.observed = 0
         self.tree_steps = 0  # steps with a branching tree seen (the first TREE_WARMUP_STEPS untimed)
         self._tree_timed = False  # a tree step timed since the last agreement
@@ -131,16 +138,18 @@ class StepCost:
         inside = np.interp(t, self.sizes, self.seconds)
         return np.where(t > self.sizes[-1], self.seconds[-1] + (t - self.sizes[-1]) * self.tail_slope, inside)
 
-    def __call__(self, tokens, trees=0) -> np.ndarray:
-        """Predicted seconds for steps of ``tokens`` with ``trees`` branching requests (arrays
-        or scalars), with the agreed parameters."""
+    def __call__(self, tokens, trees=0, drafted=0) -> np.ndarray:
+        """Predicted seconds for steps of ``tokens`` with ``trees`` branching requests, drafted
+        (1) or not (0) (arrays or scalars), with the agreed parameters."""
         t = np.asarray(tokens, dtype=np.float64)
-        a, b, c = self.agreed
-        return np.maximum(self.profile(t) + a + b * t + c * np.asarray(trees, dtype=np.float64), 1e-6)
+        a, b, c, d = self.agreed
+        extra = c * np.asarray(trees, dtype=np.float64) + d * np.asarray(drafted, dtype=np.float64)
+        return np.maximum(self.profile(t) + a + b * t + extra, 1e-6)
 
-    def observe(self, tokens: int, trees: int, tree_seconds: float, seconds: float) -> None:
+    def observe(self, tokens: int, trees: int, tree_seconds: float, seconds: float, drafted: bool = False) -> None:
         """One measured step of ``seconds``, ``tree_seconds`` of them on its ``trees`` branching
-        requests (recursive least squares with forgetting on the rest)."""
+        requests, ``drafted`` when any request had drafts (recursive least squares with
+        forgetting on the rest)."""
         if trees > 0:
             self.tree_steps += 1
             if self.tree_steps <= TREE_WARMUP_STEPS:
@@ -149,23 +158,26 @@ class StepCost:
             w = self.forget * self.tree_weight
             self.per_tree = (w * self.per_tree + tree_seconds) / (w + trees)
             self.tree_weight = w + trees
-        x = np.array([1.0, float(tokens)])
+        x = np.array([1.0, float(tokens), float(drafted)])
         y = seconds - tree_seconds - float(self.profile(np.array([tokens]))[0])
         px = self.cov @ x
         gain = px / (self.forget + x @ px)
         self.theta = self.theta + gain * (y - x @ self.theta)
         self.cov = (self.cov - np.outer(gain, px)) / self.forget
+        trace = float(np.trace(self.cov))
+        if trace > self._max_trace:
+            self.cov *= self._max_trace / trace
         self.observed += 1
 
     def agree(self, all_reduce_mean: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
         """Make the current fit the one decisions use (averaged over ranks when given). A token
-        never costs less than nothing: b is kept >= 0. Without a timed tree step since the last
+        or a drafting step never costs less than nothing: b and d are kept >= 0. Without a timed tree step since the last
         agreement the per-tree cost decays (``TREE_COST_DECAY``; every rank verified the same
         trees, so every rank decays alike)."""
         if not self._tree_timed:
             self.per_tree *= TREE_COST_DECAY
         self._tree_timed = False
-        params = np.array([self.theta[0], max(self.theta[1], 0.0), self.per_tree])
+        params = np.array([self.theta[0], max(self.theta[1], 0.0), self.per_tree, max(self.theta[2], 0.0)])
         if all_reduce_mean is not None:
             params = all_reduce_mean(params)
         self.agreed = np.asarray(params, dtype=np.float64).copy()
@@ -176,13 +188,14 @@ def break_even(cost: Callable, num_decoding: int, base_tokens: int, max_nodes: i
     """The survival below which no set of nodes pays: nodes each surviving with probability
     at most s raise R + B * s over cost(base + B) no higher than plain decoding's R / cost(base)
     for every B in 1..max_nodes when s <= min over B of R * (cost(base + B) / cost(base) - 1) / B
-    (trees only add cost). Cached per agreement by a ``StepCost``."""
+    (trees only add cost; cost(base + B) is a drafting step's, cost(base) a plain one's). Cached
+    per agreement by a ``StepCost``."""
     key = (num_decoding, base_tokens, max_nodes)
     cache = getattr(cost, "_break_even", None)
     if cache is not None and key in cache:
         return cache[key]
     sizes = np.arange(1, max_nodes + 1, dtype=np.float64)
-    seconds = cost(base_tokens + np.concatenate([[0.0], sizes]), 0)
+    seconds = cost(base_tokens + np.concatenate([[0.0], sizes]), 0, np.concatenate([[0.0], np.ones(max_nodes)]))
     value = float(np.min(num_decoding * (seconds[1:] / seconds[0] - 1.0) / sizes)) if max_nodes else math.inf
     if cache is not None:
         cache[key] = value
@@ -217,7 +230,8 @@ def admit(
 ) -> Admission:
     """survival [R, N] of the non-root nodes (breadth-first); chain [N] bool: the nodes of the
     template's rank-0 chain; num_decoding: tokens the step yields without drafts (R);
-    base_tokens: the step's tokens without drafts; cost(tokens, trees) -> seconds, elementwise.
+    base_tokens: the step's tokens without drafts; cost(tokens, trees, drafted) -> seconds,
+    elementwise (drafted: 1 for B >= 1).
 
     Ties keep the lower (request, node) first, so a parent (never less likely than its child,
     and earlier) is always admitted before its child.
@@ -244,7 +258,7 @@ def admit(
             is_first = torch.zeros(order.shape[0], dtype=torch.bool, device=survival.device)
             is_first[first[torch.unique(req[off])]] = True
             trees[1:] = is_first.cumsum(0).double().cpu().numpy()
-        value = (num_decoding + gains) / cost(base_tokens + sizes, trees)
+        value = (num_decoding + gains) / cost(base_tokens + sizes, trees, sizes > 0)
         b = int(np.argmax(value))
         if best is None or value[b] > best[0] * (1 + 1e-9):
             best = (value[b], b, order, int(trees[b]), float(gains[b]))
@@ -259,7 +273,7 @@ def no_drafts(num_req: int, num_nodes: int, num_decoding: int, base_tokens: int,
               device: torch.device | str = "cpu") -> Admission:
     """The decision B = 0: plain decoding."""
     mask = torch.zeros((num_req, num_nodes), dtype=torch.bool, device=device)
-    return Admission(mask, 0, 0, float(num_decoding), float(np.asarray(cost(base_tokens, 0))))
+    return Admission(mask, 0, 0, float(num_decoding), float(np.asarray(cost(base_tokens, 0, 0))))
 
 
 def chain_nodes(parent: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:

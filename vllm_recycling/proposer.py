@@ -313,7 +313,10 @@ class RecyclingProposer:
         # A step right after one whose requests all ended may include idle time: not timed.
         if self._last_end is not None and step.get("decode_only") and batch & self._prev_batch:
             seconds = now - self._last_end
-            self.cost.observe(step["tokens"], step["trees"], step.get("tree_seconds", 0.0), seconds)
+            self.cost.observe(
+                step["tokens"], step["trees"], step.get("tree_seconds", 0.0), seconds,
+                drafted=step["drafted"],
+            )
             self._stats += np.array([1, seconds, self._predicted, step["tokens"] - len(batch)])
         self._prev_batch = batch
         self._steps += 1
@@ -322,12 +325,13 @@ class RecyclingProposer:
             self.cost.agree(_tensor_parallel_mean())
         if now - self._last_log >= LOG_INTERVAL_S and self._stats[0] > 0:
             n, measured, predicted, drafts = self._stats
-            a, b, c = self.cost.agreed
+            a, b, c, d = self.cost.agreed
             logger.info(
                 "recycling budget: %d decode steps, %.2f drafts per request per step; step %.1f ms "
-                "measured, %.1f ms predicted; residual %.1f ms + %.3f ms/token; %.1f ms per tree",
+                "measured, %.1f ms predicted; residual %.1f ms + %.3f ms/token; %.1f ms per tree; "
+                "%.1f ms per drafting step",
                 n, drafts / max(n * len(batch), 1), 1e3 * measured / n, 1e3 * predicted / n,
-                1e3 * a, 1e3 * b, 1e3 * c,
+                1e3 * a, 1e3 * b, 1e3 * c, 1e3 * d,
             )
             self._stats[:] = 0
             self._last_log = now
@@ -406,6 +410,7 @@ class RecyclingProposer:
             # every request decodes (one token + its drafts): the steps the cost model fits;
             # prefill chunks cost what the profile of decode steps does not say
             "decode_only": num_tokens == num_reqs + drafted,
+            "drafted": drafted > 0,
             "trees": 0 if step is None else int(step.req_index_np.size),
             "num_draft": None if num_draft_tokens is None else list(num_draft_tokens),
         }

@@ -230,6 +230,30 @@ def test_proposer_auto_budget_sends_what_pays_and_learns_from_it():
     assert proposer.cost.observed == 1
 
 
+def test_proposer_auto_budget_does_not_draft_when_nothing_can_pay():
+    """budget="auto": when no edge the calibration knows is likely enough to pay for a token,
+    the step decodes plainly without drafting (what the admission would decide)."""
+    import numpy as np
+    import torch
+
+    from vllm_recycling.budget import StepCost
+
+    proposer = make_proposer("shared", tree=[[0], [1], [0, 0]], budget="auto")
+    proposer.cost = StepCost([1, 101], [1.0, 2.0])  # 10 ms per token on a 1 s step
+    proposer.calibration.hits[:] = 0.0
+    proposer.calibration.observe(np.array([0]), np.array([False]))  # every bin at 0: nothing pays
+    assert proposer.calibration.max_edge == 0.0
+    proposer.set_batch(["a"], lambda r: None)
+    proposer.observe_verification(["a"], {"a"}, torch.tensor([5]), verification_rows([7]), [0])
+
+    def no_drafting(*args, **kwargs):
+        raise AssertionError("drafted although nothing can pay")
+
+    proposer.matrix.draft = no_drafting
+    assert proposer.propose([[5]], np.array([10]), None) == [[]]
+    assert proposer.last_admission.num_admitted == 0 and not proposer.last_admission.mask.any()
+
+
 def test_proposer_per_request_matrices():
     import numpy as np
     import torch

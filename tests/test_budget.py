@@ -168,10 +168,14 @@ def test_calibration_learns_per_bin():
 
 
 def test_step_cost_profile_and_online_fit():
-    cost = StepCost([1, 2, 4, 8], [1.0, 1.2, 1.1, 2.0])  # made monotone: 1.0 1.2 1.2 2.0
+    # up to 4 tokens as measured (4 tokens cheaper than 2); above, made monotone: 1.2 -> 2.0
+    cost = StepCost([1, 2, 4, 8, 16], [1.0, 1.2, 1.1, 2.0, 1.9], exact_upto=4)
+    assert cost.profile(np.array([1, 3, 4, 6, 8, 16, 20])).tolist() == pytest.approx(
+        [1.0, 1.15, 1.1, 1.55, 2.0, 2.0, 2.0])  # beyond the profile: the last slope, here 0
+    cost = StepCost([1, 2, 4, 8], [1.0, 1.2, 1.1, 2.0])
     assert cost.profile(np.array([1, 3, 4, 6, 8, 10])).tolist() == pytest.approx(
-        [1.0, 1.2, 1.2, 1.6, 2.0, 2.4])  # beyond the profile: the last slope, 0.8 / 4 per token
-    assert cost(np.array([4]), 1).tolist() == pytest.approx([1.2])  # nothing learnt yet
+        [1.0, 1.15, 1.1, 1.55, 2.0, 2.45])  # beyond the profile: the last slope, 0.9 / 4 per token
+    assert cost(np.array([4]), 1).tolist() == pytest.approx([1.1])  # nothing learnt yet
     rng = np.random.default_rng(0)
     for _ in range(3000):
         t, trees, drafted = int(rng.integers(1, 40)), int(rng.integers(0, 3)), bool(rng.integers(0, 2))
@@ -179,11 +183,11 @@ def test_step_cost_profile_and_online_fit():
         seconds = float(cost.profile(np.array([t]))[0]) + 0.5 + 0.01 * t + tree_s + 0.02 * drafted
         cost.observe(t, trees, tree_s, seconds, drafted=drafted)
     assert cost.observed == 3000 - 2  # the first TREE_WARMUP_STEPS tree steps are not timed
-    assert cost(np.array([4]), 1).tolist() == pytest.approx([1.2])  # not agreed yet
+    assert cost(np.array([4]), 1).tolist() == pytest.approx([1.1])  # not agreed yet
     cost.agree()
     assert cost.agreed == pytest.approx([0.5, 0.01, 0.3, 0.02], abs=1e-5)
     assert cost(np.array([4, 4]), 1, np.array([0, 1])).tolist() == pytest.approx(
-        [1.2 + 0.54 + 0.3, 1.2 + 0.56 + 0.3], abs=1e-4)
+        [1.1 + 0.54 + 0.3, 1.1 + 0.56 + 0.3], abs=1e-4)
     cost.agree(lambda params: params * 0 + 1.0)  # what the ranks agree on is what decides
     assert cost(np.array([2]), 1).tolist() == pytest.approx([1.2 + 1 + 2 + 1])
     cost.theta[1] = cost.theta[2] = -0.5
@@ -240,6 +244,17 @@ def test_tree_term_counts_requests_off_their_chain():
     # a tree costs 0.3 per request: chains only
     got = admit(survival, CHAIN, 2, 2, linear(0.01, per_tree=0.3))
     assert got.trees == 0 and got.mask.tolist() == [[True, False, True]] * 2
+
+
+def test_drafts_where_more_tokens_cost_less():
+    # one request; 2 tokens dearer than 1, 4 tokens cheaper (measured on 2 CPU cores): even
+    # nodes that are never accepted are worth sending, three of them, never one
+    cost = StepCost([1, 2, 3, 4, 8], [0.027, 0.029, 0.025, 0.0245, 0.028])
+    cost.agree()
+    survival = torch.tensor([[0.0, 0.0, 0.0, 0.0]])
+    got = admit(survival, torch.tensor([True, True, True, True]), 1, 1, cost)
+    assert got.num_admitted == 3 and got.seconds == pytest.approx(0.0245)
+    assert not nothing_pays(0.0, cost, 1, 1, 4)
 
 
 def test_step_cost_needs_two_sizes():

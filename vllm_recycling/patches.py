@@ -477,7 +477,9 @@ class ProfileStepCost(MethodPatch):
     and before any request. With ``budget="auto"`` the wrapper then times forward passes of a
     range of token counts with the runner's own ``_dummy_run(num_tokens)``
     (v1/worker/gpu_model_runner.py:5508-5523: eager here, no sampling, nothing written that a
-    request reads) and gives the proposer its step-cost profile
+    request reads), each followed by the logits of the rows it returns (one per dummy request,
+    5922-5924: as many as a decode step's tokens; SmolLM2's 113 MB output matrix costs ~4 ms
+    per step on 2 CPU cores), and gives the proposer its step-cost profile
     (``RecyclingProposer.profile_step_cost``)."""
 
     name = "profile_step_cost"
@@ -495,9 +497,12 @@ class ProfileStepCost(MethodPatch):
             runner = getattr(self, "model_runner", None)
             drafter = _recycling_drafter(runner)
             if drafter is not None and drafter.auto:
-                drafter.profile_step_cost(
-                    lambda num_tokens: runner._dummy_run(num_tokens), runner.max_num_tokens
-                )
+
+                @torch.inference_mode()
+                def step(num_tokens: int):
+                    return runner.model.compute_logits(runner._dummy_run(num_tokens)[1])
+
+                drafter.profile_step_cost(step, runner.max_num_tokens)
             return result
 
         return compile_or_warm_up_model

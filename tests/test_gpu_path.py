@@ -66,7 +66,7 @@ def _flat_cost_and_count_subtrees(worker):
         def __call__(self, tokens, trees=0, drafted=0):
             return np.ones_like(np.asarray(tokens, dtype=np.float64))
 
-        def observe(self, *args):
+        def observe(self, *args, **kwargs):
             pass
 
         def agree(self, *args):

@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import torch
 
-from vllm_recycling.kernels import jit, next_power_of_2, triton_usable
+from vllm_recycling.kernels import jit, native, next_power_of_2, triton_usable
 
 tl = None  # triton.language, filled in by kernels.jit() when the kernel is first built
 
@@ -272,8 +272,6 @@ def draft_tree(
             table, roots, tree.rank_path, tree.depth, row_base, prefix_len, out, positions_out,
             overlay=overlay, probs=probs, conf_out=conf_out,
         )
-    from vllm_recycling.kernels import native
-
     if native.draft_takes(table, *tensors):
         result = native.draft(table, roots, tree.parent, tree.rank, row_base, overlay, probs)
     else:

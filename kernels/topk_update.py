@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_recycling.kernels import jit, next_power_of_2, triton_usable
+from vllm_recycling.kernels import jit, native, next_power_of_2, triton_usable
 
 tl = None  # triton.language, filled in by kernels.jit() when the kernel is first built
 _insert = None  # triton.jit(_insert_impl), idem
@@ -367,8 +367,6 @@ def topk_update(
     fp16 logits, k <= MAX_KERNEL_K, float16 probability buffers with unit column stride); else
     the C kernel for CPU tensors it takes (``native``); the PyTorch reference otherwise.
     """
-    from vllm_recycling.kernels import native
-
     buffers = [b for b in (probs, probs_out) if b is not None]
     if (
         triton_usable(logits, rows, table, *buffers)

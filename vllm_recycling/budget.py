@@ -50,8 +50,8 @@ PRIOR_TRIALS = 4.0
 PRIOR_SCALE = 0.5
 # The profile keeps the measured time of every size up to this many tokens (medians of several
 # runs) instead of making it monotone: a step's cost need not grow with its tokens. On 2 CPU
-# cores, SmolLM2 in float32, one request: 1 token 27-28 ms, 2 tokens 29-30, 3 to 6 tokens
-# 24-26, 8 tokens 28-29 (medians of 7 forwards, two runs): verifying 2 to 5 drafts is cheaper
+# cores, SmolLM2 in float32, one request: 1 token 27.1-28.0 ms, 2 tokens 28.6-30.4, 3 to 6
+# tokens 24.4-25.9, 8 tokens 28.3-29.0 (vLLM's _dummy_run, medians of 7, two runs, 2026-11-25): verifying 2 to 5 drafts is cheaper
 # than plain decoding, which a monotone profile hid (it priced 4 tokens as 2).
 EXACT_PROFILE_TOKENS = 64
 MAX_TRIALS = 4096.0
@@ -83,8 +83,6 @@ class Calibration:
         self.num_bins = num_bins
         self.device = torch.device(device)
         self.table = torch.tensor(self.hits / self.trials, dtype=torch.float32, device=self.device)
-        # the largest edge acceptance of the table: no node survives more (host float)
-        self.max_edge = float(np.max(self.hits / self.trials))
 
     def observe(self, bins: np.ndarray, accepted: np.ndarray) -> None:
         """bins [n] int: the bins of nodes whose parent was accepted; accepted [n] bool."""
@@ -95,9 +93,12 @@ class Calibration:
         full = self.trials >= MAX_TRIALS
         self.trials[full] *= 0.5
         self.hits[full] *= 0.5
-        rates = self.hits / self.trials
-        self.table.copy_(torch.from_numpy(rates))  # in place: no new tensor per step
-        self.max_edge = float(rates.max())
+        self.table.copy_(torch.from_numpy(self.hits / self.trials))  # in place: no new tensor per step
+
+    @property
+    def max_edge(self) -> float:
+        """The largest edge acceptance of the table (host float): no node survives more."""
+        return float(np.max(self.hits / self.trials))
 
     def survival(self, conf: torch.Tensor, parent: torch.Tensor, level_starts: tuple[int, ...]) -> torch.Tensor:
         """conf [R, M] (node 0 the root, breadth-first) -> survival [R, M] (1 at the root).

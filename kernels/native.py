@@ -11,7 +11,7 @@ their keys itself. Results equal the reference's (tests/kernels/test_native.py):
 same ids and argmax, probabilities to fp16 rounding.
 
 Drafts. The reference gathers level by level, about ten operator calls per level (six levels
-for the default tree, more with the overlay lookup): ~0.4 ms per step at one request. The C
+for the default tree, more with the overlay lookup): 0.28 ms per step at one request (0.38 at 52). The C
 loop walks the nodes in breadth-first order for each request, the same lookups, exactly the
 reference's tokens and confidences.
 

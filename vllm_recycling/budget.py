@@ -55,6 +55,13 @@ PRIOR_SCALE = 0.5
 # than plain decoding, which a monotone profile hid (it priced 4 tokens as 2).
 EXACT_PROFILE_TOKENS = 64
 MAX_TRIALS = 4096.0
+# The step-time fit's prior, in units of the steps' noise: recursive least squares takes the
+# noise variance as 1, so each parameter's prior variance is (its prior std / the noise std)^2.
+# Step times scatter by a few ms (2 CPU cores, SmolLM2, one request: 1-3 ms). A prior given in
+# seconds^2 instead (1e-4 for d) weighed as ~10^4 steps: d stayed at 0 for the whole of a server
+# run while drafting steps cost 1-3 ms more than their tokens.
+STEP_NOISE_S = 2e-3
+PRIOR_STD_S = (20e-3, 0.5e-3, 5e-3)  # a (per step), b (per token), d (per drafting step)
 SYNC_STEPS = 32
 # The first steps with a branching tree are not timed: they pay the first calls of the tree
 # path (measured on 2 CPU cores, SmolLM2: a first 3-node tree step cost 25-35 ms of tree work,
@@ -117,7 +124,7 @@ class StepCost:
     verifying costs beyond the tokens whatever their number: vLLM's rejection sampler instead of
     its sampler, the step plan, the calibration's bookkeeping)."""
 
-    def __init__(self, sizes, seconds, forget: float = 0.995, exact_upto: int = EXACT_PROFILE_TOKENS) -> None:
+    def __init__(self, sizes, seconds, forget: float = 0.998, exact_upto: int = EXACT_PROFILE_TOKENS) -> None:
         sizes = np.asarray(sizes, dtype=np.float64)
         seconds = np.asarray(seconds, dtype=np.float64)
         if sizes.ndim != 1 or sizes.size < 2 or np.any(np.diff(sizes) <= 0) or seconds.shape != sizes.shape:
@@ -129,10 +136,9 @@ class StepCost:
         # beyond the profile: the slope of its last two points
         self.tail_slope = max(0.0, (seconds[-1] - seconds[-2]) / (sizes[-1] - sizes[-2]))
         self.theta = np.zeros(3)
-        # prior: a few ms per step, ~0 per token, ~0 per drafting step; the trace never grows
-        # past the prior's (forgetting inflates directions the steps do not vary in, e.g. d
-        # while every step drafts)
-        self.cov = np.diag([1.0, 1e-4, 1e-4])
+        # prior: 0 +- PRIOR_STD_S; the trace never grows past the prior's (forgetting inflates
+        # directions the steps do not vary in, e.g. d while every step drafts)
+        self.cov = np.diag((np.asarray(PRIOR_STD_S) / STEP_NOISE_S) ** 2)
         self._max_trace = float(np.trace(self.cov))
         self.forget = forget
         self.per_tree = 0.0  # c: running mean of measured tree seconds per tree request

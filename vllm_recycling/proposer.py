@@ -34,6 +34,7 @@ import torch
 
 from vllm_recycling import cpu_kv, triton_path
 from vllm_recycling.budget import (
+    EXACT_PROFILE_TOKENS,
     SYNC_STEPS,
     Calibration,
     StepCost,
@@ -47,7 +48,10 @@ from vllm_recycling.budget import (
 
 PROFILE_MAX_TOKENS = 512
 _NO_NODES = np.zeros(0, dtype=np.int64)
-PROFILE_REPEATS = 3
+# Rounds of the start-up profile at small sizes. With 3 (one size after another) two profiles of
+# the same server disagreed by up to 20% at 4 tokens (41 / 50 ms, 2 CPU cores), and a size
+# measured slow made its neighbours look like free drafts.
+PROFILE_REPEATS = 9
 LOG_INTERVAL_S = 30.0
 from vllm_recycling.config import RecyclingConfig, RecyclingConfigError
 from vllm_recycling.matrix import (
@@ -156,21 +160,26 @@ class RecyclingProposer:
 
     def profile_step_cost(self, run_tokens: Callable[[int], Any], max_tokens: int) -> None:
         """budget="auto", at start-up: time ``run_tokens(n)`` (a forward pass of n tokens) for
-        the sizes of ``budget.profile_sizes`` up to min(max_tokens, PROFILE_MAX_TOKENS), the
-        median of PROFILE_REPEATS runs (one above 64 tokens), averaged over tensor-parallel
-        ranks so that all of them decide alike; the result is the cost model's profile."""
+        the sizes of ``budget.profile_sizes`` up to min(max_tokens, PROFILE_MAX_TOKENS): up to
+        EXACT_PROFILE_TOKENS the median of PROFILE_REPEATS rounds, each round timing every such
+        size once (a drift of the machine's speed spreads over all sizes instead of making one
+        size look cheap), above it one run; averaged over tensor-parallel ranks so that all of
+        them decide alike. The result is the cost model's profile."""
         sizes = profile_sizes(max(2, min(max_tokens, PROFILE_MAX_TOKENS)))
         started = time.perf_counter()
         run_tokens(sizes[0])  # warm-up
-        seconds = []
-        for n in sizes:
-            runs = []
-            for _ in range(PROFILE_REPEATS if n <= 64 else 1):
+        small = [n for n in sizes if n <= EXACT_PROFILE_TOKENS]
+        runs: dict[int, list[float]] = {n: [] for n in sizes}
+        for _ in range(PROFILE_REPEATS):
+            for n in small:
                 t0 = time.perf_counter()
                 run_tokens(n)
-                runs.append(time.perf_counter() - t0)
-            seconds.append(float(np.median(runs)))
-        seconds = np.asarray(seconds)
+                runs[n].append(time.perf_counter() - t0)
+        for n in sizes[len(small):]:
+            t0 = time.perf_counter()
+            run_tokens(n)
+            runs[n].append(time.perf_counter() - t0)
+        seconds = np.array([np.median(runs[n]) for n in sizes])
         mean = _tensor_parallel_mean()
         if mean is not None:
             seconds = mean(seconds)

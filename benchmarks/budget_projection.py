@@ -13,7 +13,8 @@ an H100, from the H100's measured verification costs and acceptance measured her
    budget, whose steps fall between the measured sizes; the fixed trees sit on them).
 3. Per batch size b: rounds of b trace steps drawn at random (seeded), as b requests verified
    together; the budget code of the plugin (``budget.Calibration``, ``budget.admit``) learns
-   its calibration online from the nodes it admits (50 rounds of warm-up, then 300 measured)
+   its calibration online from the nodes it admits and from the first-level nodes of requests
+   it sends nothing, as the proposer does (50 rounds of warm-up, then 300 measured)
    and chooses each round's nodes with the H100 cost of that batch size. Fixed trees verify
    the rank-0 chain of "2.2.2" (6 nodes, as chain6) or its first 16, 32 or 80 nodes. Speed-up
    = tokens per second over plain decoding's at the same batch size.
@@ -131,10 +132,16 @@ def simulate(trace, cost, batch: int, seed: int) -> dict:
         mask = np.concatenate([np.ones((batch, 1), bool), got.mask.numpy()], axis=1)
         ok = accepted_nodes(mask, match, parent_np, levels)
         acc = ok[:, 1:].sum(axis=1)
-        # what the proposer learns: admitted nodes whose parent was accepted
+        # what the proposer learns: admitted nodes whose parent was accepted, and for a request
+        # sent nothing (from a written row) its first-level nodes, judged by the emitted token
         tried = mask & ok[:, parent_np]
         tried[:, 0] = False
-        cal.observe(confidence_bins(trace["conf"][idx][tried]), ok[tried])
+        hit = ok.copy()
+        first = slice(1, levels[2])
+        idle = ~mask[:, 1:].any(axis=1) & (trace["conf"][idx][:, first].max(axis=1) > 0)
+        tried[idle, first] = True
+        hit[idle, first] = match[idle, first]
+        cal.observe(confidence_bins(trace["conf"][idx][tried]), hit[tried])
         if r < WARMUP_ROUNDS:
             continue
         admitted += got.num_admitted

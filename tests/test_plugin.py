@@ -230,6 +230,31 @@ def test_proposer_auto_budget_sends_what_pays_and_learns_from_it():
     assert proposer.cost.observed == 1
 
 
+def test_profile_times_small_sizes_in_rounds(monkeypatch):
+    """The start-up profile times every size up to EXACT_PROFILE_TOKENS once per round, so a
+    slow moment of the machine touches every size alike; each size's profile is its median."""
+    import numpy as np
+
+    from vllm_recycling import proposer as proposer_module
+    from vllm_recycling.budget import EXACT_PROFILE_TOKENS, profile_sizes
+
+    proposer = make_proposer("shared", tree=[[0], [1], [0, 0]], budget="auto")
+    clock, calls = [0.0], []
+
+    def run_tokens(n):
+        calls.append(n)
+        slow = 10.0 if len(calls) in (3, 4) else 0.0  # one slow moment, early in round one
+        clock[0] += n * 1e-3 + slow
+
+    monkeypatch.setattr(proposer_module.time, "perf_counter", lambda: clock[0])
+    proposer.profile_step_cost(run_tokens, 100)
+    sizes = profile_sizes(100)
+    small = [n for n in sizes if n <= EXACT_PROFILE_TOKENS]
+    assert calls == [sizes[0]] + small * proposer_module.PROFILE_REPEATS + sizes[len(small):]
+    assert proposer.cost.sizes.tolist() == sizes
+    assert proposer.cost.seconds == pytest.approx(np.array(sizes) * 1e-3)  # medians: no slow size
+
+
 def test_proposer_auto_budget_does_not_draft_when_nothing_can_pay():
     """budget="auto": when no edge the calibration knows is likely enough to pay for a token,
     the step decodes plainly without drafting (what the admission would decide)."""
@@ -246,12 +271,45 @@ def test_proposer_auto_budget_does_not_draft_when_nothing_can_pay():
     proposer.set_batch(["a"], lambda r: None)
     proposer.observe_verification(["a"], {"a"}, torch.tensor([5]), verification_rows([7]), [0])
 
-    def no_drafting(*args, **kwargs):
-        raise AssertionError("drafted although nothing can pay")
+    draft = proposer.matrix.draft
+    drafted = []
 
-    proposer.matrix.draft = no_drafting
+    def first_level_only(roots, tree, *args, **kwargs):
+        drafted.append(tree.num_nodes)
+        return draft(roots, tree, *args, **kwargs)
+
+    proposer.matrix.draft = first_level_only
     assert proposer.propose([[5]], np.array([10]), None) == [[]]
     assert proposer.last_admission.num_admitted == 0 and not proposer.last_admission.mask.any()
+    assert drafted == [2]  # the first level (nodes [0] and [1]) for the calibration, not the tree
+
+
+def test_proposer_auto_budget_learns_while_sending_nothing():
+    """A request sent no drafts still teaches the calibration: the token its step emits is the
+    target's own, so each of its first-level nodes would have been accepted iff it is that
+    token."""
+    import numpy as np
+    import torch
+
+    from vllm_recycling.budget import StepCost, confidence_bins
+
+    proposer = make_proposer("shared", tree=[[0], [1], [0, 0]], budget="auto")
+    proposer.cost = StepCost([1, 101], [1.0, 2.0])
+    proposer.calibration.hits[:] = 0.0
+    proposer.calibration.observe(np.array([0]), np.array([False]))  # nothing pays
+    proposer.set_batch(["a", "b"], lambda r: None)
+    # 5 -> 7 (probability ~1), then 0 (~0); 6's row never written: nodes 0 and 0
+    proposer.observe_verification(["a", "b"], {"a", "b"}, torch.tensor([5, 9]), verification_rows([7, 2]), [0, 0])
+    assert proposer.propose([[5], [6]], np.array([10, 10]), None) == [[], []]
+    trials, hits = proposer.calibration.trials.copy(), proposer.calibration.hits.copy()
+    proposer.plan_step([0, 0], np.array([0, 1, 2]), np.array([11, 11]), torch.arange(2))
+    proposer.observe_verification(["a", "b"], {"a", "b"}, torch.tensor([5, 6]), verification_rows([7, 0]), [0, 0])
+    proposer.propose([[7], [0]], np.array([11, 11]), None)  # a emitted 7, b emitted 0
+    top, low = (int(b) for b in confidence_bins(np.array([1.0, 0.0])))
+    # a: node [0] (token 7, bin top) accepted, node [1] (token 0, bin low, written) not;
+    # b: its root's row was never written (token 0 at every rank, confidence 0): no trials
+    assert (proposer.calibration.trials - trials)[[top, low]].tolist() == [1, 1]
+    assert (proposer.calibration.hits - hits)[[top, low]].tolist() == [1, 0]
 
 
 def test_proposer_per_request_matrices():

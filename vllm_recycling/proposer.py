@@ -69,6 +69,7 @@ from vllm_recycling.tree_verify import (
     draft_probabilities,
 )
 from vllm_recycling.transfer import to_device
+from vllm_recycling.tree import load_tree
 
 logger = logging.getLogger("vllm.plugins.vllm_recycling")
 
@@ -123,6 +124,13 @@ class RecyclingProposer:
         # A flat prior until the start-up profile (patches.ProfileStepCost) replaces it.
         self.cost = StepCost([1, 1 << 20], [0.0, 0.0])
         self._sent: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        # Requests sent no drafts: their first-level nodes' tokens and bins. The token the step
+        # then emits is the target's own, so whether each of those nodes would have been
+        # accepted is known without verifying it: the calibration keeps learning while the
+        # budget sends nothing (else it could never learn that drafts pay again).
+        self._unsent: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        first_level = [p for p in self.template.paths if len(p) == 1]
+        self._first_level = load_tree(first_level, self.config.topk).to(device)
         self._step: dict[str, Any] = {}  # this step: tokens, tree, drafts per request, paths
         self._last_end: float | None = None
         self._prev_batch: set[str] = set()
@@ -272,19 +280,21 @@ class RecyclingProposer:
             return drafts
         num_decoding = sum(1 for x in sampled_token_ids if x)
         base_tokens, num_nodes = len(sampled_token_ids), self.template.num_nodes
-        if self.auto and nothing_pays(
-            self.calibration.max_edge, self.cost, num_decoding, base_tokens, len(active) * num_nodes
-        ):
-            # no node survives more than the calibration's best edge, and that does not pay:
-            # plain decoding, decided without drafting (what admit would decide)
-            self._record(no_drafts(len(active), num_nodes, num_decoding, base_tokens, self.cost))
-            return drafts
         roots = torch.tensor(
             [sampled_token_ids[i][-1] for i in active], dtype=torch.int64, device=self.matrix.device
         )
         slots = None
         if self.matrix.scope != "shared":
             slots = self.matrix.slots([self._batch_req_ids[i] for i in active])
+        if self.auto and nothing_pays(
+            self.calibration.max_edge, self.cost, num_decoding, base_tokens, len(active) * num_nodes
+        ):
+            # no node survives more than the calibration's best edge, and that does not pay:
+            # plain decoding, decided without drafting the tree (what admit would decide)
+            self._record(no_drafts(len(active), num_nodes, num_decoding, base_tokens, self.cost))
+            tokens, conf = self.matrix.draft(roots, self._first_level, slots, with_probs=True)
+            self._keep_unsent(active, tokens, conf, np.ones(len(active), dtype=bool))
+            return drafts
         if not self.auto:
             chains = self.matrix.draft(roots, self.template, slots)[:, 1:].tolist()
             for i, chain in zip(active, chains):
@@ -301,7 +311,23 @@ class RecyclingProposer:
             if nodes.size:
                 drafts[i] = tokens_np[k, nodes].tolist()
                 self._sent[self._batch_req_ids[i]] = (nodes + 1, bins[k, nodes])
+        self._keep_unsent(active, tokens, conf, ~mask.any(axis=1))
         return drafts
+
+    def _keep_unsent(self, active: list[int], tokens: torch.Tensor, conf: torch.Tensor, rows: np.ndarray) -> None:
+        """Keep, for the requests ``active[k]`` with ``rows[k]`` (sent no drafts), the tokens and
+        confidence bins of their first-level nodes (columns 1 .. of ``tokens`` / ``conf``,
+        breadth-first as in the template) from written rows, for ``_learn_from_step``."""
+        if not rows.any():
+            return
+        end = self._first_level.num_nodes + 1
+        first_tokens = tokens[:, 1:end].cpu().numpy()
+        first_conf = conf[:, 1:end].cpu().numpy()
+        first_bins = confidence_bins(first_conf)
+        # the first level is the root's row: one never written (every probability 0) drafts
+        # token 0 at every rank, no trials
+        for k in np.flatnonzero(rows & (first_conf.max(axis=1) > 0)):
+            self._unsent[self._batch_req_ids[active[k]]] = (first_tokens[k], first_bins[k])
 
     def _record(self, decision) -> np.ndarray:
         """Keep the step's decision (benchmarks, tests, the log) and its checksum (the ranks of
@@ -349,8 +375,8 @@ class RecyclingProposer:
         if "paths" in step:  # vLLM has read this step's output to the host: no wait here
             req_index, path = step["paths"]
             paths = {int(b): p[p >= 0] for b, p in zip(req_index, path.cpu().numpy())}
+        trial_bins, hits = [], []
         if num_draft is not None:
-            trial_bins, hits = [], []
             for i, req_id in enumerate(self._batch_req_ids):  # host bookkeeping of sent drafts
                 n = int(num_draft[i]) if i < len(num_draft) else 0
                 sent = self._sent.get(req_id)
@@ -367,9 +393,15 @@ class RecyclingProposer:
                 tried = won[self._parent_np[nodes]]
                 trial_bins.append(node_bins[tried])
                 hits.append(won[nodes][tried])
-            if trial_bins:
-                self.calibration.observe(np.concatenate(trial_bins), np.concatenate(hits))
-        self._sent = {}
+        if self._unsent:  # first-level nodes not sent: accepted if the step emitted their token
+            for i, req_id in enumerate(self._batch_req_ids[: len(sampled_token_ids)]):
+                unsent = self._unsent.get(req_id)
+                if unsent is not None and len(sampled_token_ids[i]) == 1:
+                    trial_bins.append(unsent[1])
+                    hits.append(unsent[0] == sampled_token_ids[i][0])
+        if trial_bins:
+            self.calibration.observe(np.concatenate(trial_bins), np.concatenate(hits))
+        self._sent, self._unsent = {}, {}
         self._last_end = now
 
     # -- tree mode ---------------------------------------------------------------------------------

@@ -48,10 +48,11 @@ from vllm_recycling.budget import (
 
 PROFILE_MAX_TOKENS = 512
 _NO_NODES = np.zeros(0, dtype=np.int64)
-# Rounds of the start-up profile at small sizes. With 3 (one size after another) two profiles of
-# the same server disagreed by up to 20% at 4 tokens (41 / 50 ms, 2 CPU cores), and a size
-# measured slow made its neighbours look like free drafts.
-PROFILE_REPEATS = 9
+# Rounds of the start-up profile at small sizes. With 3 runs of one size after another, two
+# profiles of the same engine disagreed by up to 20% at 4 tokens (41 / 50 ms, 2 CPU cores), and
+# a size measured slow made its neighbours look like free drafts. 9 rounds took 13.5-15.9 s of
+# server start-up on 2 slow cores (sizes above 64 tokens included); 5 rounds keep most of it.
+PROFILE_REPEATS = 5
 LOG_INTERVAL_S = 30.0
 from vllm_recycling.config import RecyclingConfig, RecyclingConfigError
 from vllm_recycling.matrix import (

@@ -55,6 +55,28 @@ def engine(model: str, in_process: bool = True, **kwargs):
                 torch.set_num_threads(TEST_THREADS)
 
 
+def pin_step_cost(per_token: float):
+    """For ``llm.collective_rpc``: fix the proposer's step cost at 1 s + ``per_token`` s per
+    token, never refitted, so that the auto budget's choices follow its calibration alone and
+    not this machine's timing (which can make it send nothing: drafts dear here, a random model).
+    ``unpin_step_cost`` puts the learnt one back."""
+
+    def pin(worker) -> None:
+        from vllm_recycling.budget import StepCost
+
+        drafter = worker.model_runner.drafter
+        pinned = StepCost([1, 4096], [1.0, 1.0 + per_token * 4095])
+        pinned.observe = pinned.agree = lambda *args, **kwargs: None
+        drafter.learnt_cost, drafter.cost = drafter.cost, pinned
+
+    return pin
+
+
+def unpin_step_cost(worker) -> None:
+    drafter = worker.model_runner.drafter
+    drafter.cost = drafter.learnt_cost
+
+
 def spec_counters(llm) -> dict[str, int]:
     from vllm_recycling.metrics import spec_decode_counters
 

@@ -18,8 +18,8 @@ pytest.importorskip("vllm")
 
 from engines import (  # noqa: E402
     SAMPLED_REQUESTS, TINY_PROMPTS, TINY_TOKENS, TINY_VOCAB, check_greedy_identity, chi_square,
-    chi_square_critical, engine, greedy, random_prompts, run_tiny_suite, sampled_params,
-    spec_counters, token_ids,
+    chi_square_critical, engine, greedy, pin_step_cost, random_prompts, run_tiny_suite,
+    sampled_params, spec_counters, token_ids, unpin_step_cost,
 )
 
 # The default configuration (overlay matrix, tree "2.2.2") with every node verified every step
@@ -184,21 +184,6 @@ def test_seeded_requests_repeat_and_survive_chunked_prefill(tiny_model):
     assert runs[2] == runs[3]
 
 
-def _pin_cheap_tokens(worker) -> None:
-    """The proposer's step cost fixed at 1 s + 1 ms per token, never refitted."""
-    from vllm_recycling.budget import StepCost
-
-    drafter = worker.model_runner.drafter
-    pinned = StepCost([1, 4096], [1.0, 1.0 + 4.095])
-    pinned.observe = pinned.agree = lambda *args, **kwargs: None
-    drafter.learnt_cost, drafter.cost = drafter.cost, pinned
-
-
-def _unpin_cost(worker) -> None:
-    drafter = worker.model_runner.drafter
-    drafter.cost = drafter.learnt_cost
-
-
 def test_auto_budget_greedy_identical(tiny_model, tiny_base):
     """The default budget ("auto") sends each request a subset of the tree that changes from
     step to step, none at all at times. Steps without drafts still go through vLLM's rejection
@@ -211,10 +196,10 @@ def test_auto_budget_greedy_identical(tiny_model, tiny_base):
         # steps (it then sends nothing): pin a cost model where a token costs 0.1% of a step, so
         # the admitted subsets follow the calibration and keep changing; then put the learnt one
         # back for the sampled requests, whose steps then mostly carry no drafts.
-        llm.collective_rpc(_pin_cheap_tokens)
+        llm.collective_rpc(pin_step_cost(0.001))
         out = token_ids(llm.generate(TINY_PROMPTS, greedy(), use_tqdm=False))
         counters = spec_counters(llm)
-        llm.collective_rpc(_unpin_cost)
+        llm.collective_rpc(unpin_step_cost)
         top_k_only = SamplingParams(max_tokens=20, temperature=1.0, top_k=4, ignore_eos=True)
         sampled = token_ids(llm.generate(TINY_PROMPTS[:4], top_k_only, use_tqdm=False))
     assert check_greedy_identity(tiny_base["greedy"], out)["near_ties"] == []

@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from engines import check_greedy_identity, engine, spec_counters, token_ids  # noqa: E402
+from engines import check_greedy_identity, engine, pin_step_cost, spec_counters, token_ids  # noqa: E402
 
 NEW_TOKENS = 32
 MAX_SEQS = 8
@@ -26,6 +26,10 @@ MODES = {  # mode -> (speculative_config, batch sizes it runs at)
     "tree16": ({"method": "recycling", "tree": "tree16", "budget": "fixed"}, (8,)),
     "chain6": ({"method": "recycling", "verify": "chain", "budget": "fixed"}, (8,)),
 }
+# The auto run's pinned step cost: 2% of a step per token, so it sends the nodes whose survival
+# is above ~0.02 per request (a few per step at batch 1, fewer at 8) whatever the machine: with
+# the cost it learns, a slow 2-core machine may find no draft worth sending.
+AUTO_TOKEN_COST = 0.02
 # vLLM's MAT against the reference decoder's: both run the same algorithm on the same outputs,
 # but where two siblings hold the same token vLLM takes the first and the reference the deepest.
 MAT_TOLERANCE = 0.03
@@ -67,6 +71,8 @@ def runs(smollm2_model, prompts):
     for mode, (spec, batches) in MODES.items():
         with engine(smollm2_model, max_num_seqs=MAX_SEQS, speculative_config=spec,
                     disable_log_stats=False) as llm:
+            if mode == "auto":  # decisions from the calibration, not from this machine's timing
+                llm.collective_rpc(pin_step_cost(AUTO_TOKEN_COST))
             before = spec_counters(llm)
             for batch in batches:
                 out[mode, batch] = token_ids(_generate(llm, prompts, greedy, batch))
@@ -103,8 +109,7 @@ def test_greedy_identical(runs, mode, batch):
     print(f"\nsmollm2 {mode}, batch {batch}: {result['identical']}/{result['prompts']} identical, "
           f"near-ties {result['near_ties']}; {c}, MAT {1 + c['accepted'] / c['drafts']:.3f}")
     assert len(result["near_ties"]) <= 1, "more than one near-tie in 13 prompts means a bug, not numerics"
-    if mode != "auto" or batch == 1:  # at batch 8 on 2 cores the budget may find nothing worth it
-        assert c["drafts"] > 0 and c["accepted"] > 0
+    assert c["drafts"] > 0 and c["accepted"] > 0
 
 
 def test_reference_decoder_equals_generate(hf_model, prompts, reference):

@@ -134,6 +134,21 @@ def test_aborted_request_leaves_the_others_exact(tiny_base, tiny_recycling):
         assert done[f"abort-{i}"] == list(tiny_base["greedy"][i].outputs[0].token_ids), i
 
 
+
+def test_drafts_reach_the_scheduler_without_their_own_rpc(tiny_base, tiny_recycling, monkeypatch):
+    """Each step's drafts ride on the step's output (``patches.DraftsWithSampledTokens``): the
+    engine core never asks the workers for them separately, and every step still drafts."""
+    core = tiny_recycling.llm_engine.engine_core.engine_core
+    asked = []
+    take = core.model_executor.take_draft_token_ids
+    monkeypatch.setattr(core.model_executor, "take_draft_token_ids", lambda: asked.append(1) or take())
+    before = spec_counters(tiny_recycling)
+    out = token_ids(tiny_recycling.generate(TINY_PROMPTS, greedy(), use_tqdm=False))
+    after = spec_counters(tiny_recycling)
+    assert asked == []
+    assert check_greedy_identity(tiny_base["greedy"], out)["near_ties"] == []
+    assert after["drafts"] > before["drafts"] and after["accepted"] > before["accepted"]
+
 # -- other configurations ------------------------------------------------------------------------
 
 def test_chi_square_sees_a_biased_tree_rule(tiny_model, tiny_base, monkeypatch):

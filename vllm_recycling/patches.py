@@ -44,6 +44,9 @@ How ``method="recycling"`` runs, and what vLLM does for it without a patch:
   chunking common. Like ``ExpandOnCPU`` it applies whenever the plugin is installed.
 - ``DraftsNearMaxModelLen`` keeps vLLM from replacing the drafts of the whole batch with
   zeros when one request nears ``max_model_len`` (the drafter runs no model).
+- ``DraftsWithSampledTokens``, ``DraftsFromSampledOutput`` and ``SkipDraftRpc`` hand each
+  step's drafts to the engine core with the step's sampled tokens, instead of a third RPC to
+  the workers per step.
 - ``TagCacheSalt`` hands each request's ``cache_salt`` to the workers, for
   ``matrix_scope="salt"``.
 - ``ExpandOnCPU`` fixes a vLLM 0.32 CPU bug in ``rejection_sampler.expand_batch_to_tokens``
@@ -694,6 +697,111 @@ class TagCacheSalt(MethodPatch):
         return __init__
 
 
+# The attribute under which a worker's step output carries the step's drafts to the engine core.
+DRAFTS_ATTR = "recycling_draft_token_ids"
+
+
+class DraftsWithSampledTokens(MethodPatch):
+    """``Worker.sample_tokens`` (v1/worker/gpu_worker.py:1293-1298), inherited by ``CPUWorker``
+    (v1/worker/cpu_worker.py:32).
+
+    Without async scheduling (which ``custom_class`` turns off) the engine core asks the
+    workers for the drafts with an RPC of their own after every step that ran the model,
+    ``take_draft_token_ids`` in ``EngineCore.post_step`` (v1/engine/core.py:689-697): a third
+    round trip per step, measured 1.9-2.6 ms per step on 2 CPU cores where the worker is a
+    process of its own. Our proposer has drafted by the end of ``sample_tokens``
+    (v1/worker/gpu_model_runner.py:4450-4452, 4778-4785), so this wrapper puts what that RPC
+    would return (``GPUModelRunner.take_draft_token_ids``, 4627-4630, which changes nothing)
+    on the step's ``ModelRunnerOutput`` (v1/outputs.py:266: a plain dataclass, pickled to the
+    engine core by the multiprocess executor, multiproc_executor.py:991-1008) as
+    ``DRAFTS_ATTR``. ``DraftsFromSampledOutput`` hands them to the scheduler and
+    ``SkipDraftRpc`` drops the RPC. vLLM's shared empty output (outputs.py:309-317) is left
+    alone: a step that returns it falls back to the RPC.
+    """
+
+    name = "drafts_with_sampled_tokens"
+
+    @staticmethod
+    def target():
+        from vllm.v1.worker.gpu_worker import Worker
+
+        return Worker, "sample_tokens"
+
+    @staticmethod
+    def wrap(original):
+        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+
+        def sample_tokens(self, grammar_output):
+            output = original(self, grammar_output)
+            runner = self.model_runner
+            if (
+                _recycling_drafter(runner) is not None
+                and type(output) is ModelRunnerOutput
+                and output is not EMPTY_MODEL_RUNNER_OUTPUT
+            ):
+                setattr(output, DRAFTS_ATTR, (runner.take_draft_token_ids(),))
+            return output
+
+        return sample_tokens
+
+
+class DraftsFromSampledOutput(MethodPatch):
+    """``Scheduler.update_from_output`` (v1/core/sched/scheduler.py:2026-2030), in the engine
+    core, called by ``EngineCore.step`` (v1/engine/core.py:680-682) with the output of
+    ``sample_tokens``. When that output carries drafts (``DraftsWithSampledTokens``) the
+    wrapper hands them to ``update_draft_token_ids`` (2550-2569) after the step's own update,
+    in the order ``post_step`` would have (it runs after ``step``), and tells ``SkipDraftRpc``
+    that this step's drafts arrived."""
+
+    name = "drafts_from_sampled_output"
+
+    @staticmethod
+    def target():
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        return Scheduler, "update_from_output"
+
+    @staticmethod
+    def wrap(original):
+        def update_from_output(self, scheduler_output, model_runner_output):
+            outputs = original(self, scheduler_output, model_runner_output)
+            carried = getattr(model_runner_output, DRAFTS_ATTR, None)
+            if carried is not None:
+                (drafts,) = carried
+                if drafts is not None:
+                    self.update_draft_token_ids(drafts)
+                self.recycling_drafts_delivered = True
+            return outputs
+
+        return update_from_output
+
+
+class SkipDraftRpc(MethodPatch):
+    """``EngineCore.post_step`` (v1/engine/core.py:689-697), called after every ``step`` by the
+    engine core's busy loop (1604-1611) and the in-process client (core_client.py:385-387).
+    When ``DraftsFromSampledOutput`` delivered the step's drafts, the wrapper skips the
+    ``take_draft_token_ids`` RPC; otherwise vLLM's own ``post_step`` runs. (The batch queue's
+    structured-output path, 795-800, keeps its own RPC.)"""
+
+    name = "skip_draft_rpc"
+
+    @staticmethod
+    def target():
+        from vllm.v1.engine.core import EngineCore
+
+        return EngineCore, "post_step"
+
+    @staticmethod
+    def wrap(original):
+        def post_step(self, model_executed):
+            if getattr(self.scheduler, "recycling_drafts_delivered", False):
+                self.scheduler.recycling_drafts_delivered = False
+                return None
+            return original(self, model_executed)
+
+        return post_step
+
+
 # vLLM's Triton attention, in import order (each imports the ones before it).
 _VLLM_TRITON_MODULES = (
     "vllm.v1.attention.ops.triton_attention_helpers",
@@ -805,7 +913,8 @@ def _kv_caches(runner) -> list[torch.Tensor]:
 PATCHES: tuple[type[MethodPatch], ...] = (
     TranslateRecyclingSpecConfig, TreePositions, TreeAttentionCPU, TreeAttentionTriton, VerifyTree,
     SaveSnapshotAtShutdown, ProfileStepCost, ExpandOnCPU, ConstraintsWithoutDrafts,
-    SeededChunkedPrefillOnCPU, DraftsNearMaxModelLen, TagCacheSalt,
+    SeededChunkedPrefillOnCPU, DraftsNearMaxModelLen, TagCacheSalt, DraftsWithSampledTokens,
+    DraftsFromSampledOutput, SkipDraftRpc,
 )
 
 

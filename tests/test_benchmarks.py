@@ -98,6 +98,13 @@ def test_serve_tables_and_plot(tmp_path):
     md = serve_bench.markdown(report)
     assert "| recycling 2.2.2 hot | 1.50x | 0.50x |" in md
     assert "| none | 4 | 20.0 | 1.50 | 10 / 20 | 5 / 9 | 8 |" in md
+    # a method run more than once: medians over none's median, with the range of its runs
+    report["results"] += [{"method": "none", "levels": [_level(1, 12.0), _level(4, 20.0)]},
+                          {"method": "none", "levels": [_level(1, 11.0)]},
+                          {"method": "recycling 2.2.2 hot", "levels": [_level(1, 13.2)]}]
+    md = serve_bench.markdown(report)
+    assert "| none (3 runs) | 1.00x (0.91-1.09) | 1.00x (1.00-1.00) |" in md
+    assert "| recycling 2.2.2 hot (2 runs) | 1.28x (1.20-1.36) | 0.50x |" in md
     pytest.importorskip("matplotlib")
     serve_bench.plot(report, tmp_path / "serve.png")
     assert (tmp_path / "serve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -107,7 +107,7 @@ def accepted_tokens(mask: np.ndarray, match: np.ndarray, parent: np.ndarray, lev
 
 
 def simulate(trace, cost, batch: int, seed: int) -> dict:
-    from vllm_recycling.budget import Calibration, admit, chain_nodes, confidence_bins
+    from vllm_recycling.budget import Calibration, admit, chain_nodes
     from vllm_recycling.tree import load_tree
 
     tree = load_tree("2.2.2", 8)
@@ -115,6 +115,7 @@ def simulate(trace, cost, batch: int, seed: int) -> dict:
     parent_np, levels = parent.numpy(), tree.level_starts
     chain = chain_nodes(tree.parent, tree.rank)
     chain_np = np.concatenate([[True], chain.numpy()])
+    deep = (np.arange(tree.num_nodes + 1) >= levels[2]).astype(np.int64)
     cal = Calibration()
     rng = np.random.default_rng(seed)
     fixed_masks = {}
@@ -141,7 +142,7 @@ def simulate(trace, cost, batch: int, seed: int) -> dict:
         idle = ~mask[:, 1:].any(axis=1) & (trace["conf"][idx][:, first].max(axis=1) > 0)
         tried[idle, first] = True
         hit[idle, first] = match[idle, first]
-        cal.observe(confidence_bins(trace["conf"][idx][tried]), hit[tried])
+        cal.observe(cal.bins(trace["conf"][idx], deep)[tried], hit[tried])
         if r < WARMUP_ROUNDS:
             continue
         admitted += got.num_admitted

@@ -16,7 +16,9 @@ from vllm_recycling.budget import (
     break_even,
     chain_nodes,
     confidence_bins,
+    monotone,
     nothing_pays,
+    profile_seconds,
     profile_sizes,
 )
 from vllm_recycling.tree import compile_tree, load_tree
@@ -145,13 +147,50 @@ def test_admitted_set_is_ancestor_closed_per_request():
 
 def test_survival_is_the_product_along_the_path():
     cal = Calibration()
-    cal.table = torch.full((cal.num_bins,), 0.5)
+    cal.table = torch.full((2 * cal.num_bins,), 0.5)
     cal.table[0] = 0.1
+    cal.table[cal.num_bins:] = 0.4  # edges below the first level: the second table
     # root, 1 and 2 under the root, 3 under 1
     parent = torch.tensor([0, 0, 0, 1])
     conf = torch.tensor([[1.0, 0.9, 0.0, 0.9]])
     survival = cal.survival(conf, parent, (0, 1, 3, 4))
-    assert survival[0].tolist() == pytest.approx([1.0, 0.5, 0.1, 0.25])
+    assert survival[0].tolist() == pytest.approx([1.0, 0.5, 0.1, 0.2])
+    assert cal.bins(np.array([0.9, 0.9]), np.array([0, 1])).tolist() == [15, 31]
+
+
+def test_monotone_pools_adjacent_violators():
+    rates = np.array([0.0, 0.3, 0.1, 0.2, 0.5, 0.4])
+    weights = np.array([1.0, 1.0, 1.0, 2.0, 3.0, 1.0])
+    # 0.3 > 0.1 pooled (0.2), then equal to 0.2: fine; 0.5 > 0.4 pooled by weight: 1.9 / 4
+    assert monotone(rates, weights).tolist() == pytest.approx([0.0, 0.2, 0.2, 0.2, 0.475, 0.475])
+    assert monotone(np.array([0.1, 0.2]), np.ones(2)).tolist() == pytest.approx([0.1, 0.2])
+
+
+def test_calibration_table_never_falls_with_confidence():
+    """A bin that read lucky (few trials, all hits) is pooled with the confident bins above it
+    instead of outranking them."""
+    cal = Calibration()
+    cal.observe(np.array([9] * 6), np.ones(6, dtype=bool))  # bin 9: 6 hits in 6 + the prior
+    table = cal.table.numpy()
+    assert np.all(np.diff(table[:16]) >= 0) and np.all(np.diff(table[16:]) >= 0)
+    raw = cal.hits / cal.trials
+    assert raw[9] > raw[10] and table[9] == pytest.approx(table[15]) and table[9] < raw[9]
+    assert cal.max_edge == pytest.approx(float(max(table[15], table[31])))
+    cal.observe(np.array([31] * 40), np.ones(40, dtype=bool))  # deeper edges: their own table
+    assert cal.max_edge == pytest.approx(float(cal.table[-1])) and cal.table[15] == pytest.approx(table[15])
+
+
+def test_profile_keeps_a_dip_only_when_every_round_agrees():
+    sizes = [1, 2, 3, 4]
+    runs = {
+        1: [0.050, 0.060, 0.058, 0.052, 0.061],
+        2: [0.045, 0.062, 0.047, 0.055, 0.046],  # median below 1 token, but slower in 2 rounds
+        3: [0.048, 0.058, 0.050, 0.050, 0.059],  # faster than 1 token in every round
+        4: [0.065, 0.066, 0.064, 0.067, 0.066],
+    }
+    got = profile_seconds(sizes, runs)
+    assert got.tolist() == pytest.approx([0.058, 0.058, 0.050, 0.066])
+    assert profile_seconds([1, 2], {1: [0.05], 2: [0.04]}).tolist() == pytest.approx([0.05, 0.05])
 
 
 def test_calibration_learns_per_bin():
@@ -163,9 +202,9 @@ def test_calibration_learns_per_bin():
     cal.observe(bins[1:3], np.array([True, True]))
     center = ((8 + 0.5) / 16) ** 2
     assert cal.trials[8] == PRIOR_TRIALS + 2
-    assert cal.table[8].item() == pytest.approx((PRIOR_SCALE * center * PRIOR_TRIALS + 2) / (PRIOR_TRIALS + 2))
+    assert cal.hits[8] / cal.trials[8] == pytest.approx((PRIOR_SCALE[0] * center * PRIOR_TRIALS + 2) / (PRIOR_TRIALS + 2))
     assert cal.table[8].item() > before
-    cal.observe(np.array([8] * 20), np.zeros(20, dtype=bool))
+    cal.observe(np.array([8] * 40), np.zeros(40, dtype=bool))
     assert cal.table[8].item() < before
 
 

@@ -212,7 +212,7 @@ def test_proposer_auto_budget_sends_what_pays_and_learns_from_it():
     proposer = make_proposer("shared", tree=[[0], [1], [0, 0]], budget="auto")
     proposer.cost = StepCost([1, 101], [1.0, 2.0])  # 10 ms per token on a 1 s step
     proposer.calibration.table[:] = 0.0
-    proposer.calibration.table[-1] = 0.9  # only confidences above 0.88 get accepted
+    proposer.calibration.table[15] = 0.9  # only confidences above 0.88 get accepted, first level
     proposer.set_batch(["a"], lambda r: None)
     # token 5 -> 7 with probability ~1; 7's row was never verified (probabilities 0)
     proposer.observe_verification(["a"], {"a"}, torch.tensor([5]), verification_rows([7]), [0])
@@ -231,8 +231,9 @@ def test_proposer_auto_budget_sends_what_pays_and_learns_from_it():
 
 
 def test_profile_times_small_sizes_in_rounds(monkeypatch):
-    """The start-up profile times every size up to EXACT_PROFILE_TOKENS once per round, so a
-    slow moment of the machine touches every size alike; each size's profile is its median."""
+    """The start-up profile times every size up to EXACT_PROFILE_TOKENS once per round, rounds
+    ascending and descending by turns, so a slow moment of the machine touches every size alike;
+    each size's profile is its median."""
     import numpy as np
 
     from vllm_recycling import proposer as proposer_module
@@ -250,7 +251,8 @@ def test_profile_times_small_sizes_in_rounds(monkeypatch):
     proposer.profile_step_cost(run_tokens, 100)
     sizes = profile_sizes(100)
     small = [n for n in sizes if n <= EXACT_PROFILE_TOKENS]
-    assert calls == [sizes[0]] + small * proposer_module.PROFILE_REPEATS + sizes[len(small):]
+    rounds = [small if r % 2 == 0 else small[::-1] for r in range(proposer_module.PROFILE_REPEATS)]
+    assert calls == [sizes[0]] + [n for r in rounds for n in r] + sizes[len(small):]
     assert proposer.cost.sizes.tolist() == sizes
     assert proposer.cost.seconds == pytest.approx(np.array(sizes) * 1e-3)  # medians: no slow size
 

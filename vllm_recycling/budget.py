@@ -6,14 +6,16 @@ hardware at this batch size. Per step, over all requests of the batch:
 - ``Calibration``: the probability that a node is accepted given that its parent was, as a
   function of its edge confidence (the probability of its token under the logits that wrote
   its matrix row, ``AdjacencyMatrix.probs``). Learned online from verification outcomes:
-  sqrt-spaced confidence bins, each a hit / trial count that starts from a prior (half the
-  confidence, worth ``PRIOR_TRIALS`` trials) and halves once it holds ``MAX_TRIALS``,
-  so it follows the traffic.
+  sqrt-spaced confidence bins, each a hit / trial count that starts from a prior (a fraction
+  of the confidence, worth ``PRIOR_TRIALS`` trials) and halves once it holds ``MAX_TRIALS``,
+  so it follows the traffic; one table for edges from the root, one for deeper edges, each
+  kept non-decreasing in confidence.
 - survival of a node: the product of its path's calibrated edges (the chance that the node
   and all its ancestors are accepted), computed level by level, so a child never survives
   more than its parent.
 - ``StepCost``: seconds per step as a function of the tokens in it: a start-up profile of
-  the forward pass (``profile``, not made monotone up to ``EXACT_PROFILE_TOKENS``), plus ``a + b * tokens + d * drafted`` fitted online by
+  the forward pass (``profile``, not made monotone up to ``EXACT_PROFILE_TOKENS`` where its
+  rounds agree on a dip), plus ``a + b * tokens + d * drafted`` fitted online by
   recursive least squares on measured step times (sampling, the matrix update, scheduling; d:
   what a step with any drafts costs beyond its tokens, the verification path), plus ``c`` per
   request with a branching tree: tree attention and path choice, timed where they run and
@@ -43,17 +45,22 @@ import torch
 
 NUM_BINS = 16
 PRIOR_TRIALS = 4.0
-# The prior acceptance of a bin: this times its confidence. Learnt tables (SmolLM2, 2.2.2 pool,
-# ~550 steps at batch 1, three runs) hold 0.3-0.5x the confidence above 0.25: rows written in
-# another context are confident and stale. A prior of the confidence itself made the budget
-# draft on optimism for its first few hundred steps.
-PRIOR_SCALE = 0.5
+# The prior acceptance of a bin: this times its confidence, for edges from the root and for
+# deeper ones. Learnt tables (SmolLM2, 2.2.2 pool, ~550-700 steps at batch 1) hold 0.3-0.5x the
+# confidence above 0.25 for both kinds together, 0.25-0.35x for edges from the root: rows written
+# in another context are confident and stale. A prior of the confidence itself made the budget
+# draft on optimism for its first few hundred steps. Deeper edges learn only from drafts sent,
+# so their prior must let some be sent.
+PRIOR_SCALE = (0.25, 0.5)
 # The profile keeps the measured time of every size up to this many tokens (medians of several
-# runs) instead of making it monotone: a step's cost need not grow with its tokens. On 2 CPU
-# cores, SmolLM2 in float32, one request: 1 token 27.1-28.0 ms, 2 tokens 28.6-30.4, 3 to 6
-# tokens 24.4-25.9, 8 tokens 28.3-29.0 (vLLM's _dummy_run, medians of 7, two runs, 2026-11-25): verifying 2 to 5 drafts is cheaper
-# than plain decoding, which a monotone profile hid (it priced 4 tokens as 2).
+# runs) instead of making it monotone, where its rounds agree (``profile_seconds``): a step's
+# cost need not grow with its tokens. On 2 Intel CPU cores, SmolLM2 in float32, one request:
+# 1 token 27.1-28.0 ms, 2 tokens 28.6-30.4, 3 to 6 tokens 24.4-25.9, 8 tokens 28.3-29.0 (vLLM's
+# _dummy_run, medians of 7, two runs, 2026-11-25): verifying 2 to 5 drafts is cheaper than plain
+# decoding, which a monotone profile hid (it priced 4 tokens as 2).
 EXACT_PROFILE_TOKENS = 64
+# A dip in the profile is kept only when this share of its paired rounds agree (``profile_seconds``).
+DIP_AGREEMENT = 0.85
 MAX_TRIALS = 4096.0
 # The step-time fit's prior, in units of the steps' noise: recursive least squares takes the
 # noise variance as 1, so each parameter's prior variance is (its prior std / the noise std)^2.
@@ -80,19 +87,53 @@ def confidence_bins(conf: torch.Tensor | np.ndarray, num_bins: int = NUM_BINS):
     return (conf.clamp(0.0, 1.0).sqrt() * num_bins).long().clamp(max=num_bins - 1)
 
 
+def monotone(rates: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """The non-decreasing sequence nearest to ``rates`` in ``weights``-weighted least squares
+    (pool adjacent violators): neighbouring bins that disagree with the order of their
+    confidences are pooled into their weighted mean."""
+    values, sizes, counts = [], [], []
+    for rate, weight in zip(rates.tolist(), weights.tolist()):
+        values.append(rate)
+        sizes.append(weight)
+        counts.append(1)
+        while len(values) > 1 and values[-2] > values[-1]:
+            size = sizes[-2] + sizes[-1]
+            values[-2] = (values[-2] * sizes[-2] + values[-1] * sizes[-1]) / size
+            sizes[-2] = size
+            counts[-2] += counts[-1]
+            del values[-1], sizes[-1], counts[-1]
+    return np.repeat(values, counts)
+
+
 class Calibration:
-    """P(node accepted | parent accepted) per confidence bin, learned online."""
+    """P(node accepted | parent accepted) per confidence bin, learned online, in two tables:
+    edges from the root and deeper edges. A confident edge is accepted less often from the root
+    (its row was written in another context) than below an accepted draft (the context matches
+    again): SmolLM2 at batch 1, 16 Spec-Bench prompts, one table for both: sent first-level
+    nodes were predicted 92 acceptances and got 66, second-level ones 11 and got 13. Each table
+    is kept non-decreasing in confidence (``monotone``): a bin's own count is noisy (30-100
+    trials after ~700 steps at batch 1), and the budget sends the nodes whose bins read
+    highest, so an unpooled table sent bins that were lucky."""
 
     def __init__(self, device: torch.device | str = "cpu", num_bins: int = NUM_BINS) -> None:
         centers = ((np.arange(num_bins) + 0.5) / num_bins) ** 2  # the confidence at each bin's middle
-        self.trials = np.full(num_bins, PRIOR_TRIALS)
-        self.hits = PRIOR_SCALE * centers * PRIOR_TRIALS
+        # two tables of num_bins: edges from the root (the first level), then deeper edges
+        self.trials = np.full(2 * num_bins, PRIOR_TRIALS)
+        self.hits = np.concatenate([scale * centers * PRIOR_TRIALS for scale in PRIOR_SCALE])
         self.num_bins = num_bins
         self.device = torch.device(device)
-        self.table = torch.tensor(self.hits / self.trials, dtype=torch.float32, device=self.device)
+        self.table = torch.empty(2 * num_bins, dtype=torch.float32, device=self.device)
+        self._max_edge = float(self._set_table())
+        self._deep: dict[tuple, torch.Tensor] = {}
+
+    def bins(self, conf, deep):
+        """The table index of each edge: its confidence bin, in the second table when ``deep``
+        (its parent is not the root). Works on tensors and arrays alike."""
+        return confidence_bins(conf, self.num_bins) + self.num_bins * deep
 
     def observe(self, bins: np.ndarray, accepted: np.ndarray) -> None:
-        """bins [n] int: the bins of nodes whose parent was accepted; accepted [n] bool."""
+        """bins [n] int (``bins``): the edges of nodes whose parent was accepted; accepted [n]
+        bool."""
         if bins.size == 0:
             return
         np.add.at(self.trials, bins, 1.0)
@@ -100,17 +141,30 @@ class Calibration:
         full = self.trials >= MAX_TRIALS
         self.trials[full] *= 0.5
         self.hits[full] *= 0.5
-        self.table.copy_(torch.from_numpy(self.hits / self.trials))  # in place: no new tensor per step
+        self._max_edge = float(self._set_table())
 
     @property
     def max_edge(self) -> float:
         """The largest edge acceptance of the table (host float): no node survives more."""
-        return float(np.max(self.hits / self.trials))
+        return self._max_edge
+
+    def _set_table(self) -> float:
+        """Write the pooled rates of each table into ``table`` (in place: no new tensor per
+        step); returns the largest, from the host copy (no device read)."""
+        n = self.num_bins
+        rates = np.concatenate([monotone(self.hits[:n] / self.trials[:n], self.trials[:n]),
+                                monotone(self.hits[n:] / self.trials[n:], self.trials[n:])])
+        self.table.copy_(torch.from_numpy(rates))
+        return max(rates[n - 1], rates[-1])
 
     def survival(self, conf: torch.Tensor, parent: torch.Tensor, level_starts: tuple[int, ...]) -> torch.Tensor:
         """conf [R, M] (node 0 the root, breadth-first) -> survival [R, M] (1 at the root).
         parent [M] int64 node index of each node's parent."""
-        edge = self.table[confidence_bins(conf, self.num_bins)]
+        key = (conf.shape[-1], level_starts[2], conf.device)
+        deep = self._deep.get(key)
+        if deep is None:  # 1 below the first level; made once per template
+            deep = self._deep[key] = (torch.arange(key[0], device=conf.device) >= key[1]).long()
+        edge = self.table[self.bins(conf, deep)]
         survival = torch.ones_like(edge)
         for d in range(1, len(level_starts) - 1):  # one product per level, never per node
             s, e = level_starts[d], level_starts[d + 1]
@@ -302,6 +356,26 @@ def chain_nodes(parent: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
     for node in range(1, parent.shape[0]):  # template set-up, once
         on[node] = bool(on[int(parent[node])]) and int(rank[node]) == 0
     return on[1:]
+
+
+def profile_seconds(sizes: list[int], runs: dict[int, list[float]]) -> np.ndarray:
+    """A start-up profile from its timed runs: each size's median, except that a size measured
+    cheaper than a smaller one (a dip) keeps its median only when it was the faster of the two
+    in at least ``DIP_AGREEMENT`` of their paired rounds; otherwise it takes the smaller size's
+    value (sizes timed once are made monotone). On 2 AMD cores a 5-round profile priced 2 tokens 17% below 1 (54.1 / 44.9 ms) where
+    30 rounds measured 2 tokens 2-4 ms dearer (three profiles), and the budget then sent
+    never-accepted nodes at every step; on 2 Intel cores 3-6 tokens were cheaper than 1 in
+    every profile."""
+    seconds = np.array([np.median(runs[n]) for n in sizes], dtype=np.float64)
+    top = 0  # the size holding the largest value so far
+    for i in range(1, len(sizes)):
+        if seconds[i] >= seconds[top]:
+            top = i
+            continue
+        here, there = np.asarray(runs[sizes[i]]), np.asarray(runs[sizes[top]])
+        if here.size != there.size or here.size < 2 or np.mean(here < there) < DIP_AGREEMENT:
+            seconds[i] = seconds[top]
+    return seconds
 
 
 def profile_sizes(max_tokens: int) -> list[int]:

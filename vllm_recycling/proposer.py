@@ -40,9 +40,9 @@ from vllm_recycling.budget import (
     StepCost,
     admit,
     chain_nodes,
-    confidence_bins,
     no_drafts,
     nothing_pays,
+    profile_seconds,
     profile_sizes,
 )
 
@@ -122,6 +122,8 @@ class RecyclingProposer:
         self.chain = chain_nodes(self.template.parent, self.template.rank).to(device)
         self._parent = self.template.parent.clamp(min=0).to(device)
         self._parent_np = self.template.parent.clamp(min=0).cpu().numpy()
+        # per non-root node: 1 below the first level (the calibration's second table)
+        self._deep = (np.arange(1, self.template.num_nodes + 1) >= self.template.level_starts[2]).astype(np.int64)
         # A flat prior until the start-up profile (patches.ProfileStepCost) replaces it.
         self.cost = StepCost([1, 1 << 20], [0.0, 0.0])
         self._sent: dict[str, tuple[np.ndarray, np.ndarray]] = {}
@@ -179,8 +181,8 @@ class RecyclingProposer:
         run_tokens(sizes[0])  # warm-up
         small = [n for n in sizes if n <= EXACT_PROFILE_TOKENS]
         runs: dict[int, list[float]] = {n: [] for n in sizes}
-        for _ in range(PROFILE_REPEATS):
-            for n in small:
+        for round_ in range(PROFILE_REPEATS):  # ascending, then descending: a drift of the
+            for n in small if round_ % 2 == 0 else small[::-1]:  # machine's speed favours no size
                 t0 = time.perf_counter()
                 run_tokens(n)
                 runs[n].append(time.perf_counter() - t0)
@@ -188,7 +190,7 @@ class RecyclingProposer:
             t0 = time.perf_counter()
             run_tokens(n)
             runs[n].append(time.perf_counter() - t0)
-        seconds = np.array([np.median(runs[n]) for n in sizes])
+        seconds = profile_seconds(sizes, runs)
         mean = _tensor_parallel_mean()
         if mean is not None:
             seconds = mean(seconds)
@@ -308,7 +310,7 @@ class RecyclingProposer:
         decision = admit(survival[:, 1:], self.chain, num_decoding, base_tokens, self.cost)
         mask = self._record(decision)
         tokens_np, conf_np = tokens[:, 1:].cpu().numpy(), conf[:, 1:].cpu().numpy()
-        bins = confidence_bins(conf_np)
+        bins = self.calibration.bins(conf_np, self._deep)
         for k, i in enumerate(active):  # vLLM takes one Python list of drafts per request
             nodes = np.flatnonzero(mask[k])
             if nodes.size:
@@ -326,7 +328,7 @@ class RecyclingProposer:
             return
         end = self._first_level.num_nodes
         first_tokens, first_conf = tokens[:, :end], conf[:, :end]
-        first_bins = confidence_bins(first_conf)
+        first_bins = self.calibration.bins(first_conf, 0)
         # the first level is the root's row: one never written (every probability 0) drafts
         # token 0 at every rank, no trials
         for k in np.flatnonzero(rows & (first_conf.max(axis=1) > 0)):

@@ -699,6 +699,8 @@ class TagCacheSalt(MethodPatch):
 
 # The attribute under which a worker's step output carries the step's drafts to the engine core.
 DRAFTS_ATTR = "recycling_draft_token_ids"
+# Set on the scheduler by DraftsFromSampledOutput, read and cleared by SkipDraftRpc.
+DELIVERED_ATTR = "recycling_drafts_delivered"
 
 
 class DraftsWithSampledTokens(MethodPatch):
@@ -770,7 +772,7 @@ class DraftsFromSampledOutput(MethodPatch):
                 (drafts,) = carried
                 if drafts is not None:
                     self.update_draft_token_ids(drafts)
-                self.recycling_drafts_delivered = True
+                setattr(self, DELIVERED_ATTR, True)
             return outputs
 
         return update_from_output
@@ -794,8 +796,8 @@ class SkipDraftRpc(MethodPatch):
     @staticmethod
     def wrap(original):
         def post_step(self, model_executed):
-            if getattr(self.scheduler, "recycling_drafts_delivered", False):
-                self.scheduler.recycling_drafts_delivered = False
+            if getattr(self.scheduler, DELIVERED_ATTR, False):
+                setattr(self.scheduler, DELIVERED_ATTR, False)
                 return None
             return original(self, model_executed)
 

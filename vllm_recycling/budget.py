@@ -8,9 +8,8 @@ hardware at this batch size. Per step, over all requests of the batch:
   its matrix row, ``AdjacencyMatrix.probs``). Learned online from verification outcomes:
   sqrt-spaced confidence bins, each a hit / trial count that starts from a prior (a fraction
   of the confidence, worth ``PRIOR_TRIALS`` trials) and halves once it holds ``MAX_TRIALS``,
-  so it follows the traffic; one table for edges from the root, one for deeper edges;
-  decisions read each bin's rate less one standard error, each table kept non-decreasing in
-  confidence.
+  so it follows the traffic; one table for edges from the root, one for deeper edges, each
+  kept non-decreasing in confidence.
 - survival of a node: the product of its path's calibrated edges (the chance that the node
   and all its ancestors are accepted), computed level by level, so a child never survives
   more than its parent.
@@ -45,11 +44,6 @@ import numpy as np
 import torch
 
 NUM_BINS = 16
-# Decisions read each bin's rate less this many of its standard errors: the budget sends the
-# nodes whose bins read highest, so a bin that read high by chance was sent and over-predicted.
-# With the plain rates (pooled), SmolLM2 at batch 1 (16 prompts, two runs) sent drafts
-# predicted to be accepted 82-94 times that were accepted 47-50 times.
-LOWER_BOUND_Z = 1.0
 PRIOR_TRIALS = 4.0
 # The prior acceptance of a bin: this times its confidence, for edges from the root and for
 # deeper ones. Learnt tables (SmolLM2, 2.2.2 pool, ~550-700 steps at batch 1) hold 0.3-0.5x the
@@ -158,9 +152,8 @@ class Calibration:
         """Write the pooled rates of each table into ``table`` (in place: no new tensor per
         step); returns the largest, from the host copy (no device read)."""
         n = self.num_bins
-        rate = self.hits / self.trials
-        low = np.maximum(rate - LOWER_BOUND_Z * np.sqrt(rate * (1.0 - rate) / self.trials), 0.0)
-        rates = np.concatenate([monotone(low[:n], self.trials[:n]), monotone(low[n:], self.trials[n:])])
+        rates = np.concatenate([monotone(self.hits[:n] / self.trials[:n], self.trials[:n]),
+                                monotone(self.hits[n:] / self.trials[n:], self.trials[n:])])
         self.table.copy_(torch.from_numpy(rates))
         return max(rates[n - 1], rates[-1])
 

@@ -53,8 +53,9 @@ def _worker_state(worker):
 
 def _flat_cost_and_count_subtrees(worker):
     """budget "auto" under the interpreter finds every extra token dear and sends chains; a flat
-    step cost makes it send every node with a positive survival estimate: per-request subtrees
-    of the template. Counts the tree requests of each step and those whose tree is not the
+    step cost makes it send every node with a positive survival estimate, and a fixed
+    calibration that gives the least confident edges none: per-request subtrees of the
+    template. Counts the tree requests of each step and those whose tree is not the
     template's first nodes (a subset only the budget makes)."""
     import numpy as np
 
@@ -74,6 +75,12 @@ def _flat_cost_and_count_subtrees(worker):
 
     drafter = worker.model_runner.drafter
     drafter.cost = FlatCost()
+    # a fixed calibration: edges below confidence 1/256 (bin 0 of either table) never survive,
+    # so low-ranked siblings stay out while nodes after them are sent
+    cal = drafter.calibration
+    cal.table.fill_(0.5)
+    cal.table[0] = cal.table[cal.num_bins] = 0.0
+    cal.observe = lambda *args, **kwargs: None
     counts = drafter._test_subtrees = [0, 0]
     plan = tree_verify.TreeStep.plan.__func__
 

@@ -123,7 +123,7 @@ class Calibration:
         self.num_bins = num_bins
         self.device = torch.device(device)
         self.table = torch.empty(2 * num_bins, dtype=torch.float32, device=self.device)
-        self._max_edge = float(self._set_table())
+        self._max_edge = self._set_table()
         self._deep: dict[tuple, torch.Tensor] = {}
 
     def bins(self, conf, deep):
@@ -141,7 +141,7 @@ class Calibration:
         full = self.trials >= MAX_TRIALS
         self.trials[full] *= 0.5
         self.hits[full] *= 0.5
-        self._max_edge = float(self._set_table())
+        self._max_edge = self._set_table()
 
     @property
     def max_edge(self) -> float:
@@ -155,7 +155,7 @@ class Calibration:
         rates = np.concatenate([monotone(self.hits[:n] / self.trials[:n], self.trials[:n]),
                                 monotone(self.hits[n:] / self.trials[n:], self.trials[n:])])
         self.table.copy_(torch.from_numpy(rates))
-        return max(rates[n - 1], rates[-1])
+        return float(max(rates[n - 1], rates[-1]))
 
     def survival(self, conf: torch.Tensor, parent: torch.Tensor, level_starts: tuple[int, ...]) -> torch.Tensor:
         """conf [R, M] (node 0 the root, breadth-first) -> survival [R, M] (1 at the root).
@@ -362,10 +362,10 @@ def profile_seconds(sizes: list[int], runs: dict[int, list[float]]) -> np.ndarra
     """A start-up profile from its timed runs: each size's median, except that a size measured
     cheaper than a smaller one (a dip) keeps its median only when it was the faster of the two
     in at least ``DIP_AGREEMENT`` of their paired rounds; otherwise it takes the smaller size's
-    value (sizes timed once are made monotone). On 2 AMD cores a 5-round profile priced 2 tokens 17% below 1 (54.1 / 44.9 ms) where
-    30 rounds measured 2 tokens 2-4 ms dearer (three profiles), and the budget then sent
-    never-accepted nodes at every step; on 2 Intel cores 3-6 tokens were cheaper than 1 in
-    every profile."""
+    value (sizes timed once are made monotone). On 2 AMD cores a 5-round profile priced 2
+    tokens 17% below 1 (54.1 / 44.9 ms) where 30 rounds measured 2 tokens 2-4 ms dearer (three
+    profiles), and the budget then sent never-accepted nodes at every step; on 2 Intel cores
+    3-6 tokens were cheaper than 1 in every profile."""
     seconds = np.array([np.median(runs[n]) for n in sizes], dtype=np.float64)
     top = 0  # the size holding the largest value so far
     for i in range(1, len(sizes)):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from vllm_recycling.budget import (
+    FORGET,
     PRIOR_STD_S,
     STEP_NOISE_S,
     PRIOR_SCALE,
@@ -173,7 +174,7 @@ def test_calibration_table_never_falls_with_confidence():
     cal.observe(np.array([9] * 6), np.ones(6, dtype=bool))  # bin 9: 6 hits in 6 + the prior
     table = cal.table.numpy()
     assert np.all(np.diff(table[:16]) >= 0) and np.all(np.diff(table[16:]) >= 0)
-    raw = cal.hits / cal.trials
+    raw = (cal.hits + cal.prior_hits) / (cal.trials + cal.prior_trials)
     assert raw[9] > raw[10] and table[9] == pytest.approx(table[15]) and table[9] < raw[9]
     assert cal.max_edge == pytest.approx(float(max(table[15], table[31])))
     cal.observe(np.array([31] * 40), np.ones(40, dtype=bool))  # deeper edges: their own table
@@ -201,11 +202,27 @@ def test_calibration_learns_per_bin():
     before = cal.table[8].item()
     cal.observe(bins[1:3], np.array([True, True]))
     center = ((8 + 0.5) / 16) ** 2
-    assert cal.trials[8] == PRIOR_TRIALS + 2
-    assert cal.hits[8] / cal.trials[8] == pytest.approx((PRIOR_SCALE[0] * center * PRIOR_TRIALS + 2) / (PRIOR_TRIALS + 2))
+    assert cal.trials[8] == 2 and cal.hits[8] == 2
+    raw = (cal.hits[8] + cal.prior_hits[8]) / (cal.trials[8] + cal.prior_trials[8])
+    assert raw == pytest.approx((PRIOR_SCALE[0] * center * PRIOR_TRIALS + 2) / (PRIOR_TRIALS + 2))
     assert cal.table[8].item() > before
     cal.observe(np.array([8] * 40), np.zeros(40, dtype=bool))
     assert cal.table[8].item() < before
+
+
+def test_calibration_forgets_back_to_its_prior():
+    """Each step that teaches the calibration forgets a share of what it learnt before; a bin
+    no longer tried returns to its prior instead of keeping another traffic's rate."""
+    cal = Calibration()
+    prior = cal.table.clone()
+    cal.observe(np.array([9] * 100), np.ones(100, dtype=bool))
+    assert cal.table[9].item() > 0.8  # pooled with the confident bins above it
+    for _ in range(2000):  # steps that try only bin 0, never accepted
+        cal.observe(np.array([0]), np.array([False]))
+    assert cal.trials[9] == pytest.approx(100 * FORGET**2000) and cal.hits[9] == cal.trials[9]
+    assert cal.trials[0] == pytest.approx((1 - FORGET**2000) / (1 - FORGET))
+    assert cal.table[9].item() == pytest.approx(prior[9].item(), abs=2e-3)
+    assert cal.table[16:].tolist() == prior[16:].tolist()  # the deeper table was never tried
 
 
 def test_step_cost_profile_and_online_fit():

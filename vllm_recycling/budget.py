@@ -6,10 +6,10 @@ hardware at this batch size. Per step, over all requests of the batch:
 - ``Calibration``: the probability that a node is accepted given that its parent was, as a
   function of its edge confidence (the probability of its token under the logits that wrote
   its matrix row, ``AdjacencyMatrix.probs``). Learned online from verification outcomes:
-  sqrt-spaced confidence bins, each a hit / trial count that starts from a prior (a fraction
-  of the confidence, worth ``PRIOR_TRIALS`` trials) and halves once it holds ``MAX_TRIALS``,
-  so it follows the traffic; one table for edges from the root, one for deeper edges, each
-  kept non-decreasing in confidence.
+  sqrt-spaced confidence bins, each a hit / trial count, forgotten by ``FORGET`` at every
+  step that teaches it (so it follows the traffic), on top of a prior (a fraction of the
+  confidence, worth ``PRIOR_TRIALS`` trials) that a forgotten bin returns to; one table for
+  edges from the root, one for deeper edges, each kept non-decreasing in confidence.
 - survival of a node: the product of its path's calibrated edges (the chance that the node
   and all its ancestors are accepted), computed level by level, so a child never survives
   more than its parent.
@@ -61,7 +61,12 @@ PRIOR_SCALE = (0.25, 0.5)
 EXACT_PROFILE_TOKENS = 64
 # A dip in the profile is kept only when this share of its paired rounds agree (``profile_seconds``).
 DIP_AGREEMENT = 0.85
-MAX_TRIALS = 4096.0
+# Every step that teaches the calibration multiplies the bins' learnt counts by this: a memory
+# of ~1 / (1 - FORGET) steps. Halving a bin at 4096 trials instead kept, at 4 requests, what the
+# server's warm-up prompts taught (acceptances 0.3-0.5) for minutes of traffic that accepted
+# 0.1-0.2. The prior is not forgotten: a bin nobody tries any more returns to it, so deeper
+# edges, learnt only from drafts sent, get sent again now and then.
+FORGET = 0.995
 # The step-time fit's prior, in units of the steps' noise: recursive least squares takes the
 # noise variance as 1, so each parameter's prior variance is (its prior std / the noise std)^2.
 # Step times scatter by a few ms (2 CPU cores, SmolLM2, one request: 1-3 ms). A prior given in
@@ -117,9 +122,12 @@ class Calibration:
 
     def __init__(self, device: torch.device | str = "cpu", num_bins: int = NUM_BINS) -> None:
         centers = ((np.arange(num_bins) + 0.5) / num_bins) ** 2  # the confidence at each bin's middle
-        # two tables of num_bins: edges from the root (the first level), then deeper edges
-        self.trials = np.full(2 * num_bins, PRIOR_TRIALS)
-        self.hits = np.concatenate([scale * centers * PRIOR_TRIALS for scale in PRIOR_SCALE])
+        # two tables of num_bins: edges from the root (the first level), then deeper edges;
+        # learnt counts (forgotten) and the prior's (kept)
+        self.prior_trials = np.full(2 * num_bins, PRIOR_TRIALS)
+        self.prior_hits = np.concatenate([scale * centers * PRIOR_TRIALS for scale in PRIOR_SCALE])
+        self.trials = np.zeros(2 * num_bins)
+        self.hits = np.zeros(2 * num_bins)
         self.num_bins = num_bins
         self.device = torch.device(device)
         self.table = torch.empty(2 * num_bins, dtype=torch.float32, device=self.device)
@@ -136,11 +144,10 @@ class Calibration:
         bool."""
         if bins.size == 0:
             return
+        self.trials *= FORGET
+        self.hits *= FORGET
         np.add.at(self.trials, bins, 1.0)
         np.add.at(self.hits, bins, accepted.astype(np.float64))
-        full = self.trials >= MAX_TRIALS
-        self.trials[full] *= 0.5
-        self.hits[full] *= 0.5
         self._max_edge = self._set_table()
 
     @property
@@ -152,8 +159,9 @@ class Calibration:
         """Write the pooled rates of each table into ``table`` (in place: no new tensor per
         step); returns the largest, from the host copy (no device read)."""
         n = self.num_bins
-        rates = np.concatenate([monotone(self.hits[:n] / self.trials[:n], self.trials[:n]),
-                                monotone(self.hits[n:] / self.trials[n:], self.trials[n:])])
+        trials = self.trials + self.prior_trials
+        raw = (self.hits + self.prior_hits) / trials
+        rates = np.concatenate([monotone(raw[:n], trials[:n]), monotone(raw[n:], trials[n:])])
         self.table.copy_(torch.from_numpy(rates))
         return float(max(rates[n - 1], rates[-1]))
 

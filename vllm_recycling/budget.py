@@ -186,14 +186,13 @@ class StepCost:
     verifying costs beyond the tokens whatever their number: vLLM's rejection sampler instead of
     its sampler, the step plan, the calibration's bookkeeping)."""
 
-    def __init__(self, sizes, seconds, forget: float = 0.998, exact_upto: int = EXACT_PROFILE_TOKENS) -> None:
+    def __init__(self, sizes, seconds, forget: float = 0.998) -> None:
+        """sizes / seconds: the start-up profile as ``profile_seconds`` made it (its dips are
+        the ones every round agreed on), interpolated as given."""
         sizes = np.asarray(sizes, dtype=np.float64)
         seconds = np.asarray(seconds, dtype=np.float64)
         if sizes.ndim != 1 or sizes.size < 2 or np.any(np.diff(sizes) <= 0) or seconds.shape != sizes.shape:
             raise ValueError("StepCost needs at least two increasing profile sizes")
-        # sizes up to exact_upto keep their (median) time, dips included; larger ones, timed
-        # once, are made monotone
-        seconds = np.where(sizes <= exact_upto, seconds, np.maximum.accumulate(seconds))
         self.sizes, self.seconds = sizes, seconds
         # beyond the profile: the slope of its last two points
         self.tail_slope = max(0.0, (seconds[-1] - seconds[-2]) / (sizes[-1] - sizes[-2]))

@@ -162,24 +162,26 @@ def simulate(trace, cost, batch: int, seed: int) -> dict:
     return out
 
 
-def time_budget(batch: int, reps: int = 50) -> float:
-    """Median seconds of the budget's per-step work (survival + admit) at a batch size."""
+def time_budget(batch: int, reps: int = 50, device: str | torch.device = "cpu") -> float:
+    """Median seconds of the budget's per-step work (survival + admit, the admitted mask read
+    on the host as the proposer reads it) at a batch size, with the drafts' confidences on
+    ``device``. ``benchmarks/kernels.py`` calls it on a GPU."""
     from vllm_recycling.budget import Calibration, StepCost, admit, chain_nodes
     from vllm_recycling.tree import load_tree
 
-    tree = load_tree("2.2.2", 8)
+    tree = load_tree("2.2.2", 8).to(device)
     parent = tree.parent.clamp(min=0)
     chain = chain_nodes(tree.parent, tree.rank)
-    cal, cost = Calibration(), StepCost([1, 64, 512], [0.03, 0.06, 0.5])
-    conf = torch.rand(batch, tree.num_nodes + 1, generator=torch.Generator().manual_seed(batch))
+    cal, cost = Calibration(device), StepCost([1, 64, 512], [0.03, 0.06, 0.5])
+    conf = torch.rand(batch, tree.num_nodes + 1, generator=torch.Generator().manual_seed(batch)).to(device)
     runs = []
-    for _ in range(reps):
+    for _ in range(reps + 5):  # the first calls (allocations, kernel loads) not counted
         t0 = time.perf_counter()
         survival = cal.survival(conf, parent, tree.level_starts)
         got = admit(survival[:, 1:], chain, batch, batch, cost)
-        got.mask.numpy()
+        got.mask.cpu().numpy()
         runs.append(time.perf_counter() - t0)
-    return float(np.median(runs))
+    return float(np.median(runs[5:]))
 
 
 def main() -> None:

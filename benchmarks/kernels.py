@@ -11,6 +11,9 @@ For every batch size B and vocabulary V (template "2.2.2", k = 8 by default):
 - the memory-bandwidth bound: bytes that must move / peak bandwidth (``--peak-gbps``, default by
   device name: H100 3350, H200 4800 GB/s).
 
+On the GPU it also times the adaptive budget's work per step on the device (survival and
+admission of 80-node trees at batch 1..64, ``budget_projection.time_budget``).
+
 Kernels are timed twice: inside a CUDA graph (``triton.testing.do_bench_cudagraph``: GPU time
 only, as in vLLM's captured decode step; it also proves the launchers are sync-free) and as plain
 launches (``do_bench``: includes the Python launch overhead, which dominates microsecond
@@ -239,6 +242,12 @@ def run_gpu(args, device: torch.device | None = None) -> int:
             torch.cuda.empty_cache()
             cases.append(case)
             print_row(case, header=len(cases) == 1)
+    # the adaptive budget's own work per step on this device (survival + admission of 80-node
+    # trees, the admitted mask read on the host), median ms per batch size
+    from budget_projection import BATCHES, time_budget
+
+    meta["budget_ms_per_step"] = {b: round(1e3 * time_budget(b, device=device), 3) for b in BATCHES}
+    print("budget per step, ms:", meta["budget_ms_per_step"])
     write_results(args.out_dir, device_slug(name), meta, cases)
     failures = [c for c in cases if c.get("draft_exact") is False or c.get("update_exact") is False]
     errors = [c for c in cases if c.get("error") not in (None, "out of memory")]

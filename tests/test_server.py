@@ -263,14 +263,19 @@ def test_server_spec_decode_metrics(client, server):
 
 
 def test_serve_bad_speculative_config_exits_before_loading(tiny_model):
-    """A refused speculative_config ends the command with the plugin's message, quickly."""
+    """A refused speculative_config ends the command with the plugin's message, quickly: before
+    vLLM binds the port (held here by another socket, which vLLM's bind would fail on)."""
     spec = json.dumps({"method": "recycling", "topk": 0})
-    argv = [*command(), "serve", MODEL, *SERVER_ARGS, "--host", "127.0.0.1", "--port", str(free_port()),
-            "--speculative-config", spec]
-    start = time.monotonic()
-    result = subprocess.run(argv, capture_output=True, text=True, env=server_env(), timeout=180,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
-    seconds = time.monotonic() - start
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        argv = [*command(), "serve", MODEL, *SERVER_ARGS, "--host", "127.0.0.1", "--port", str(port),
+                "--speculative-config", spec]
+        start = time.monotonic()
+        result = subprocess.run(argv, capture_output=True, text=True, env=server_env(), timeout=180,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        seconds = time.monotonic() - start
     assert result.returncode == cli.EXIT_USAGE, result.stderr[-4000:]
     assert 'vllm-recycling: error: speculative_config["topk"] = 0 is not valid' in result.stderr
     assert "Traceback" not in result.stderr

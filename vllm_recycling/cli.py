@@ -210,10 +210,16 @@ def serve_arguments(vllm_args: Sequence[str]):
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from .config import RecyclingConfigError
+    from .config import METHOD, RecyclingConfig, RecyclingConfigError
 
     command, serve_args = serve_arguments(args.vllm_args)
     try:
+        # refused before vLLM binds the port or builds an engine (vLLM's parser gives the JSON
+        # as a dict, engine/arg_utils.py:1826; the engine checks it again, for `vllm serve` and
+        # the LLM class: patches.translate_recycling_spec)
+        spec = getattr(serve_args, "speculative_config", None)
+        if isinstance(spec, dict) and spec.get("method") == METHOD:
+            RecyclingConfig.from_dict(spec)
         command.cmd(serve_args)
     except RecyclingConfigError as exc:  # a bad speculative_config: no traceback
         raise CliError(str(exc)) from None

@@ -53,7 +53,7 @@ def make_case(requests, width, prefix, heads, kv_heads, dim, dtype, device, seed
     from vllm_recycling.tree_verify import TreeLayout, TreeStep
 
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    layout = TreeLayout.from_template(load_tree("2.2.2", topk=8), "cpu")
+    layout = TreeLayout.from_template(load_tree("2.2.2", topk=8), device)
     num_draft = [width - 1] * requests
     qsl = np.arange(requests + 1) * width
     step = TreeStep.plan(layout, np.array(num_draft), qsl, np.array([prefix] * requests),

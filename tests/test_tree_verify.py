@@ -56,6 +56,12 @@ def test_plan_refuses_more_drafts_than_nodes(layout):
         plan(layout, [6], [0, 7], [3])
 
 
+def test_plan_refuses_a_layout_on_another_device():
+    layout = TreeLayout.from_template(compile_tree(PATHS, topk=2), "meta")
+    with pytest.raises(ValueError, match="tree layout is on meta and the step on cpu"):
+        plan(layout, [5], [0, 6], [3])
+
+
 def _cache_with_nodes(cache, rows_of, prefixes, lengths, values, past=float("nan")):
     """Per tree request r, its cache positions prefix + j hold this step's row root + j (what
     vLLM's cache update writes before attention); positions past its nodes hold ``past``."""
@@ -414,7 +420,7 @@ def test_vllm_rejects_padding_drafts():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_tree_step_never_waits_for_the_gpu(layout):
+def test_tree_step_never_waits_for_the_gpu():
     """The GPU path's verification of a tree step (matrix update, plan, path choice greedy and
     sampled, chain, draft probabilities, KV moves, tree attention) with CUDA's sync debug mode
     set to raise on any host synchronisation."""
@@ -424,26 +430,27 @@ def test_tree_step_never_waits_for_the_gpu(layout):
     from vllm_recycling.matrix import AdjacencyMatrix
 
     device = torch.device("cuda")
+    layout = TreeLayout.from_template(compile_tree(PATHS, topk=2), device)  # at start-up
     matrix = AdjacencyMatrix(10, 2, scope="overlay", max_requests=3, device=device, overlay_rows=16,
                              with_probs=True)
     for r in "abc":
         matrix.allocate(r)  # host bookkeeping, when a request joins the batch
+    # the step's inputs, as vLLM hands them over (already on the device)
+    tokens = torch.randint(0, 10, (11,), device=device)
+    logits = torch.randn(11, 10, device=device)
+    temperature = torch.tensor([0.0, 0.7], device=device)
+    uniform = torch.rand(2, layout.max_depth, device=device)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         step = TreeStep.plan(layout, np.array([5, 0, 3]), np.array([0, 6, 7, 11]),
                              np.array([20, 9, 30]), device, groups=False)
-        tokens = torch.randint(0, 10, (11,), device=device)
-        logits = torch.randn(11, 10, device=device)
         # the matrix learns from every row (RecyclingProposer.observe_verification)
         rows = to_device(np.repeat(np.arange(3), [6, 1, 4]), torch.int64, device)
         matrix.update(tokens[:, None], logits, matrix.slots(list("abc"))[rows])
         starts = to_device(np.array([0, 7]), torch.int64, device)
         path = choose_paths(step, logits, tokens, starts)
-        path, q, q_tokens = choose_paths(
-            step, logits, tokens, starts, torch.tensor([0.0, 0.7], device=device),
-            torch.rand(2, layout.max_depth, device=device),
-        )
+        path, q, q_tokens = choose_paths(step, logits, tokens, starts, temperature, uniform)
         plan_ = ChainPlan.build(step, path, np.array([5, 0, 3]), np.array([0, 6, 7]), device)
         drafts = plan_.draft_tokens(tokens)
         draft_probabilities(plan_, step, drafts, q, q_tokens, 10)

@@ -294,13 +294,13 @@ class AdjacencyMatrix:
         order = torch.arange(entry.shape[0], device=self.device)
         last = self._last_writer.scatter_reduce_(0, entry, order, "amax")
         wins = last[entry] == order
-        last[entry] = -1
+        last.index_fill_(0, entry, -1)  # not last[entry] = -1: a scalar index_put_ waits for the GPU
         entry = torch.where(wins, entry, keys.shape[0] - 1)
         self.table[offset + entry] = top
         if top_probs is not None:
             self.probs[offset + entry] = top_probs
         keys[entry] = tokens.reshape(-1).to(keys.dtype)
-        keys[-1] = -1  # the scratch entry never matches
+        keys[-1:].fill_(-1)  # the scratch entry never matches (keys[-1] = -1 would wait for the GPU)
         return argmax
 
     # -- snapshots -------------------------------------------------------------------------------

@@ -154,6 +154,11 @@ class TreeStep:
         groups: build ``groups`` (what ``tree_attention`` needs; the Triton kernel does not).
         None when no request has a branching tree."""
         num_draft = np.asarray(num_draft_tokens, dtype=np.int64)
+        if layout.ancestors.device.type != torch.device(device).type:
+            raise ValueError(
+                f"the tree layout is on {layout.ancestors.device} and the step on {device}: "
+                "build the layout (TreeLayout.from_template) on the step's device"
+            )
         if int(num_draft.max(initial=0)) + 1 > layout.num_nodes:
             raise ValueError(
                 f"a request has {int(num_draft.max())} drafts but the tree has "
@@ -402,7 +407,7 @@ def choose_paths(
     node_tokens = tokens[node_rows].long()
     score = logits[parent_rows, node_tokens].float()  # [R, W]: node's logit under its parent
     score = torch.where(step.valid, score, float("-inf"))
-    score[:, 0] = float("-inf")
+    score[:, 0].fill_(float("-inf"))
     path = torch.full((num_req, layout.max_depth), -1, dtype=torch.int64, device=device)
     current = torch.zeros(num_req, dtype=torch.int64, device=device)
     alive = torch.ones(num_req, dtype=torch.bool, device=device)
@@ -465,7 +470,7 @@ def draft_probabilities(
     rows = plan.tree_draft_start[:, None] + torch.arange(levels, device=device)[None, :]  # [R, D]
     drawn = q.sum(2) > 0  # a sampled request's path node, drawn from q
     rows = torch.where(drawn, rows, num)
-    probs[rows.reshape(-1)] = 0.0
+    probs.index_fill_(0, rows.reshape(-1), 0.0)  # a scalar index_put_ would wait for the GPU
     probs.index_put_(
         (rows[:, :, None].expand(-1, -1, q.shape[2]), q_tokens), q * drawn[:, :, None], accumulate=True
     )

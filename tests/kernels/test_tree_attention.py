@@ -101,7 +101,8 @@ class Case:
         elif layout == "padded":
             wide = torch.randn((num_blocks, kv_heads, block_size, 3 * dim), generator=g).to(dtype)
             wide[..., : 2 * dim] = values.permute(0, 2, 1, 3)
-            kv = wide[..., : 2 * dim]
+            # sliced on the device: moving a non-dense view to CUDA makes it contiguous
+            kv = wide.to(device)[..., : 2 * dim]
         else:
             raise ValueError(layout)
         self.kv_cache = kv.to(device)

@@ -35,7 +35,7 @@ from spec_bench import RESULTS, run_header  # noqa: E402
 def prompts(args) -> list[dict]:
     """``args.prompts`` questions: the k-th of each category for k = 0, 1, ... (all categories
     before any repeats), in that order."""
-    from vllm_recycling.prompts import spec_bench_questions
+    from vllm_recycling.tools.prompts import spec_bench_questions
 
     questions = spec_bench_questions()
     by_category: dict[str, list[dict]] = {}
@@ -57,8 +57,8 @@ def run_one(args) -> dict:
     from vllm import LLM, SamplingParams
 
     from vllm_recycling.metrics import spec_decode_counters
-    from vllm_recycling.models import prepare_model
-    from vllm_recycling.prompts import chat_prompt_ids
+    from vllm_recycling.tools.models import prepare_model
+    from vllm_recycling.tools.prompts import chat_prompt_ids
 
     scope, batch = args.worker.split(":")
     batch = int(batch)

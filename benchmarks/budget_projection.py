@@ -3,7 +3,7 @@ an H100, from the H100's measured verification costs and acceptance measured her
 
     python benchmarks/budget_projection.py                  # trace SmolLM2, project, time the budget
 
-1. Acceptance: the reference decoder (``vllm_recycling.reference``, plain transformers, batch 1,
+1. Acceptance: the reference decoder (``vllm_recycling.tools.reference``, plain transformers, batch 1,
    greedy) verifies the whole "2.2.2" tree at every step on the shipped Spec-Bench sample and
    records, per step, each node's confidence (what the budget sees) and whether its token is the
    target's at its parent (what any subtree of it would have accepted).
@@ -48,9 +48,9 @@ def trace_reference(args) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from vllm_recycling.matrix import AdjacencyMatrix
-    from vllm_recycling.models import prepare_model
-    from vllm_recycling.prompts import chat_prompt_ids, spec_bench_questions
-    from vllm_recycling.reference import ReferenceDecoder
+    from vllm_recycling.tools.models import prepare_model
+    from vllm_recycling.tools.prompts import chat_prompt_ids, spec_bench_questions
+    from vllm_recycling.tools.reference import ReferenceDecoder
     from vllm_recycling.tree import load_tree
 
     path = str(prepare_model(args.model))

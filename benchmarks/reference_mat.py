@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 
 from vllm_recycling.matrix import AdjacencyMatrix
-from vllm_recycling.models import prepare_model
-from vllm_recycling.prompts import chat_prompt_ids, seeded_sample, spec_bench_questions
-from vllm_recycling.reference import ReferenceDecoder, SamplingSettings
+from vllm_recycling.tools.models import prepare_model
+from vllm_recycling.tools.prompts import chat_prompt_ids, seeded_sample, spec_bench_questions
+from vllm_recycling.tools.reference import ReferenceDecoder, SamplingSettings
 from vllm_recycling.tree import load_tree, shipped_trees
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -247,8 +247,8 @@ def main() -> None:
             speculative_config(method)
         except ValueError as e:
             parser.error(str(e))
-    from vllm_recycling.models import prepare_model
-    from vllm_recycling.prompts import spec_bench_questions
+    from vllm_recycling.tools.models import prepare_model
+    from vllm_recycling.tools.prompts import spec_bench_questions
 
     prepare_model(args.model)  # once, before the servers start
     questions = spec_bench_questions()

@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from spec_bench import RESULTS, run_header  # noqa: E402
 
 MODEL = "tiny-random"
-VOCAB = 1024  # vllm_recycling.models.TINY_VOCAB_SIZE
+VOCAB = 1024  # vllm_recycling.tools.models.TINY_VOCAB_SIZE
 MAX_MODEL_LEN = 1024
 SERVER_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN)]
 SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -861,7 +861,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--spec is not valid JSON: {e}")
         if not isinstance(specs[-1], dict):
             parser.error(f"--spec must be a JSON object: {text}")
-    from vllm_recycling.models import prepare_model
+    from vllm_recycling.tools.models import prepare_model
 
     prepare_model(MODEL)  # once, before the servers start
     report = {**run_header("soak.py", MODEL), "server_args": SERVER_ARGS,

@@ -100,7 +100,7 @@ def speculative_config(method: str) -> dict | None:
 
 def benchmark_questions(args, held_out: bool | None = None) -> list[dict]:
     """The measured sample; ``held_out=not args.held_out`` gives the questions it leaves out."""
-    from vllm_recycling.prompts import seeded_sample, spec_bench_questions
+    from vllm_recycling.tools.prompts import seeded_sample, spec_bench_questions
 
     return seeded_sample(spec_bench_questions(args.questions), args.per_category, args.seed,
                          held_out=args.held_out if held_out is None else held_out)
@@ -116,8 +116,8 @@ def run_method(args) -> dict:
     from vllm import LLM, SamplingParams
 
     from vllm_recycling.metrics import spec_decode_counters
-    from vllm_recycling.models import prepare_model
-    from vllm_recycling.prompts import chat_prompt_ids
+    from vllm_recycling.tools.models import prepare_model
+    from vllm_recycling.tools.prompts import chat_prompt_ids
 
     model = str(prepare_model(args.model))
     tokenizer = AutoTokenizer.from_pretrained(model)

@@ -22,7 +22,7 @@ torch.set_num_threads(engines.TEST_THREADS)
 
 
 def _prepare(name: str) -> str:
-    from vllm_recycling.models import ModelUnavailableError, prepare_model
+    from vllm_recycling.tools.models import ModelUnavailableError, prepare_model
 
     try:
         return str(prepare_model(name))

@@ -115,7 +115,7 @@ def random_prompts(n: int, seed: int, vocab_size: int, lengths=(8, 60)) -> list[
             for _ in range(n)]
 
 
-TINY_VOCAB = 1024  # vllm_recycling.models.TINY_VOCAB_SIZE (checked in run_tiny_suite)
+TINY_VOCAB = 1024  # vllm_recycling.tools.models.TINY_VOCAB_SIZE (checked in run_tiny_suite)
 TINY_PROMPTS = random_prompts(12, seed=1, vocab_size=TINY_VOCAB)
 TINY_TOKENS = 40
 # Sampled requests: temperature 1 with top-k, top-p and a presence penalty; the joint
@@ -149,7 +149,7 @@ def run_tiny_suite(llm) -> dict:
       engine) and the (text, finish reason) of each answer;
     - ``sampled``: SAMPLED_REQUESTS draws of the first tokens after one prompt.
     """
-    from vllm_recycling.models import TINY_VOCAB_SIZE
+    from vllm_recycling.tools.models import TINY_VOCAB_SIZE
 
     assert TINY_VOCAB == TINY_VOCAB_SIZE
     out = {"greedy": llm.generate(TINY_PROMPTS, greedy(logprobs=2), use_tqdm=False)}

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from vllm_recycling.accept import accept, apply_top_k_top_p, sample_from_logits
+from vllm_recycling.tools.accept import accept, apply_top_k_top_p, sample_from_logits
 from vllm_recycling.draft import draft_tokens
 from vllm_recycling.tree import compile_tree, load_tree
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_recycling.prompts import seeded_sample, spec_bench_questions
+from vllm_recycling.tools.prompts import seeded_sample, spec_bench_questions
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import serve_bench  # noqa: E402

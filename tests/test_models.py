@@ -1,4 +1,4 @@
-"""Model preparation (vllm_recycling.models) and the ``vllm-recycling model`` command."""
+"""Model preparation (vllm_recycling.tools.models) and the ``vllm-recycling model`` command."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-from vllm_recycling import cli, models  # noqa: E402
-from vllm_recycling.models import (  # noqa: E402
+from vllm_recycling import cli  # noqa: E402
+from vllm_recycling.tools import models  # noqa: E402
+from vllm_recycling.tools.models import (  # noqa: E402
     KNOWN_MODELS,
     ModelUnavailableError,
     UnknownModelError,

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from vllm_recycling.matrix import AdjacencyMatrix
-from vllm_recycling.prompts import chat_prompt_ids
-from vllm_recycling.reference import ReferenceDecoder, SamplingSettings, _keep_path
+from vllm_recycling.tools.prompts import chat_prompt_ids
+from vllm_recycling.tools.reference import ReferenceDecoder, SamplingSettings, _keep_path
 from vllm_recycling.tree import load_tree
 
 

@@ -51,7 +51,7 @@ def server_env() -> dict[str, str]:
 @pytest.fixture()
 def prepared(monkeypatch, tmp_path):
     """``prepare_model`` replaced by a stub that records the names and returns a directory."""
-    from vllm_recycling import models
+    from vllm_recycling.tools import models
 
     calls: list[str] = []
 

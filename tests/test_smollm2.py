@@ -44,7 +44,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 def prompts(smollm2_model):
     from transformers import AutoTokenizer
 
-    from vllm_recycling.prompts import chat_prompt_ids, spec_bench_questions
+    from vllm_recycling.tools.prompts import chat_prompt_ids, spec_bench_questions
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_model)
     questions = spec_bench_questions(per_category=1)
@@ -94,7 +94,7 @@ def hf_model(smollm2_model):
 def reference(hf_model, prompts):
     """The reference decoder over the prompts in order, one matrix (cold at the first)."""
     from vllm_recycling.matrix import AdjacencyMatrix
-    from vllm_recycling.reference import ReferenceDecoder
+    from vllm_recycling.tools.reference import ReferenceDecoder
     from vllm_recycling.tree import load_tree
 
     decoder = ReferenceDecoder(hf_model, load_tree("2.2.2", 8), AdjacencyMatrix(hf_model.config.vocab_size, 8))

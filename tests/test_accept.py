@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from vllm_recycling.tools.accept import accept, apply_top_k_top_p, sample_from_logits
-from vllm_recycling.draft import draft_tokens
+from vllm_recycling.kernels.draft_tree import draft_tree as draft_tokens
 from vllm_recycling.tree import compile_tree, load_tree
 
 # nodes: 0 root, 1 [0], 2 [1], 3 [0,0], 4 [0,1], 5 [1,0], 6 [0,0,0]

@@ -49,7 +49,7 @@ def test_tensor_parallel_ranks_hold_the_same_matrix(tiny_model, tiny_base, monke
         )
         # budget "auto": the same confidences, and the same trees chosen at every step
         probs = llm.collective_rpc(lambda w: w.model_runner.drafter.matrix.probs.clone())
-        digests = llm.collective_rpc(lambda w: w.model_runner.drafter.decision_digest)
+        digests = llm.collective_rpc(lambda w: w.model_runner.drafter.budget.decision_digest)
     assert len(tables) == 2 and torch.equal(tables[0], tables[1])
     assert torch.equal(probs[0], probs[1]) and digests[0] == digests[1] != 0
     assert int((tables[0] != 0).sum()) > 0

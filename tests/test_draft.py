@@ -1,6 +1,6 @@
 import torch
 
-from vllm_recycling.draft import draft_tokens
+from vllm_recycling.kernels.draft_tree import draft_tree as draft_tokens
 from vllm_recycling.matrix import AdjacencyMatrix
 from vllm_recycling.tree import compile_tree, load_tree
 

@@ -155,16 +155,16 @@ def test_chi_square_sees_a_biased_tree_rule(tiny_model, tiny_base, monkeypatch):
     """The same test through the engine fails for a biased tree rule: each sampled request
     walks to a child drawn uniformly (q at temperature x 100) and its draft probabilities are
     shrunk so that vLLM accepts every drafted child."""
-    import vllm_recycling.proposer as proposer
+    import vllm_recycling.verifier as verifier
 
-    choose, probabilities = proposer.choose_paths, proposer.draft_probabilities
+    choose, probabilities = verifier.choose_paths, verifier.draft_probabilities
 
     def uniform_walk(step, logits, tokens, starts, temperature=None, uniform=None):
         hot = None if temperature is None else temperature * 100
         return choose(step, logits, tokens, starts, hot, uniform)
 
-    monkeypatch.setattr(proposer, "choose_paths", uniform_walk)
-    monkeypatch.setattr(proposer, "draft_probabilities", lambda *a: probabilities(*a) * 1e-3)
+    monkeypatch.setattr(verifier, "choose_paths", uniform_walk)
+    monkeypatch.setattr(verifier, "draft_probabilities", lambda *a: probabilities(*a) * 1e-3)
     with engine(tiny_model, speculative_config=RECYCLING, disable_log_stats=False) as llm:
         llm.generate(TINY_PROMPTS, greedy(), use_tqdm=False)  # a hot matrix, as in the suite
         draws = token_ids(llm.generate([TINY_PROMPTS[0]] * SAMPLED_REQUESTS,
@@ -256,7 +256,7 @@ def test_preempted_requests_resume_identically(tiny_model, tiny_base, scope):
         preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
         llm.generate(TINY_PROMPTS[:1], greedy(8), use_tqdm=False)
         (pool,) = llm.collective_rpc(
-            lambda w: (len(w.model_runner.drafter._slot_holders), len(w.model_runner.drafter.matrix._free))
+            lambda w: (len(w.model_runner.drafter.slots.holders), len(w.model_runner.drafter.matrix._free))
         )
     assert preemptions > 0
     assert check_greedy_identity(tiny_base["greedy"], out)["near_ties"] == []

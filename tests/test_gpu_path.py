@@ -45,7 +45,7 @@ def _worker_state(worker):
     impls = sorted({type(layer.impl).__name__ for layer in context.values() if hasattr(layer, "impl")})
     return {
         "impls": impls,
-        "attention": runner.drafter.attention,
+        "attention": runner.drafter.verifier.attention,
         "triton_kernels": triton_usable(torch.zeros(1)),  # not the PyTorch references
         "subtrees": getattr(runner.drafter, "_test_subtrees", None),
     }
@@ -59,7 +59,7 @@ def _flat_cost_and_count_subtrees(worker):
     template's first nodes (a subset only the budget makes)."""
     import numpy as np
 
-    from vllm_recycling import tree_verify
+    from vllm_recycling import tree_step
 
     class FlatCost:
         agreed = np.zeros(4)
@@ -74,25 +74,25 @@ def _flat_cost_and_count_subtrees(worker):
             pass
 
     drafter = worker.model_runner.drafter
-    drafter.cost = FlatCost()
+    drafter.budget.cost = FlatCost()
     # a fixed calibration: edges below confidence 1/256 (bin 0 of either table) never survive,
     # so low-ranked siblings stay out while nodes after them are sent
-    cal = drafter.calibration
+    cal = drafter.budget.calibration
     cal.table.fill_(0.5)
     cal.table[0] = cal.table[cal.num_bins] = 0.0
     cal.observe = lambda *args, **kwargs: None
     counts = drafter._test_subtrees = [0, 0]
-    plan = tree_verify.TreeStep.plan.__func__
+    plan = tree_step.TreeStep.plan.__func__
 
-    def counting_plan(cls, layout, num_draft, qsl, computed, device, nodes=None, groups=True):
-        step = plan(cls, layout, num_draft, qsl, computed, device, nodes, groups)
+    def counting_plan(cls, layout, num_draft, qsl, computed, device, nodes=None):
+        step = plan(cls, layout, num_draft, qsl, computed, device, nodes)
         if step is not None and nodes is not None:
             for b, rows in zip(step.req_index_np, step.num_rows_np):
                 counts[0] += 1
                 counts[1] += not np.array_equal(nodes[b][: rows - 1], np.arange(1, rows))
         return step
 
-    tree_verify.TreeStep.plan = classmethod(counting_plan)
+    tree_step.TreeStep.plan = classmethod(counting_plan)
 
 
 @pytest.mark.parametrize(

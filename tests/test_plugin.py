@@ -59,11 +59,19 @@ def test_register_applies_every_patch_once():
     assert (patches.TreeAttentionTriton in wanted) == (
         torch.cuda.is_available() or triton_path.requested_on_cpu()
     )
+    # the fixes of vLLM's CPU bugs only where they live
+    from vllm.platforms import current_platform
+
+    from vllm_recycling.patches.base import _MARK
+    from vllm_recycling.patches.cpu_fixes import CpuOnly
+
+    fixes = [p for p in patches.PATCHES if issubclass(p, CpuOnly)]
+    assert len(fixes) == 3 and all(p.wanted() == current_platform.is_cpu() for p in fixes)
     assert patches.apply_all() == []
     for patch in wanted:
         owner, attr = patch.target()
         # one wrapper around vLLM's own function, not a wrapper around a wrapper
-        assert not hasattr(owner.__dict__[attr].__wrapped__, patches._MARK)
+        assert not hasattr(owner.__dict__[attr].__wrapped__, _MARK)
 
 
 def test_cache_salt_reaches_the_workers_in_extra_args():
@@ -173,6 +181,29 @@ def make_proposer(scope: str, max_num_seqs: int = 2, vocab_size: int = 16, snaps
     ))
 
 
+def begin(proposer, req_ids, num_draft=None, computed=None, params=None, slots=None):
+    """What ``patches.runner.TreePositions`` hands the proposer before a step's forward: the
+    batch and the runner's host arrays (one token per request, then its drafts)."""
+    import numpy as np
+    import torch
+
+    rows = [1 + (0 if num_draft is None else n) for n in (num_draft or [0] * len(req_ids))]
+    qsl = np.concatenate([[0], np.cumsum(rows)])
+    computed = np.array(computed if computed is not None else [10] * len(req_ids))
+    slots = torch.arange(int(qsl[-1])) if slots is None else slots
+    return proposer.begin_step(req_ids, params or (lambda r: None), num_draft, qsl, computed, slots)
+
+
+def observe(proposer, req_ids, live_req_ids, tokens, logits, num_draft_tokens):
+    """What ``patches.sampler.VerifyTree`` hands the proposer before sampling (no tree step)."""
+    from types import SimpleNamespace
+
+    return proposer.verify(
+        req_ids, live_req_ids, tokens, logits, SimpleNamespace(num_draft_tokens=num_draft_tokens),
+        None, None, lambda: [],
+    )
+
+
 def verification_rows(next_tokens: list[int], vocab_size: int = 16):
     """Logits rows whose argmax is the given token (then ids in ascending order)."""
     import torch
@@ -188,8 +219,9 @@ def test_proposer_updates_from_every_row_then_drafts_the_chain():
 
     proposer = make_proposer("shared")
     # request a: a prefill (one row, token 5 -> 7); b: root 3 and drafts 4, 6 (three rows)
-    proposer.observe_verification(
-        req_ids=["a", "b"], live_req_ids={"a", "b"}, tokens=torch.tensor([5, 3, 4, 6], dtype=torch.int32),
+    observe(
+        proposer, req_ids=["a", "b"], live_req_ids={"a", "b"},
+        tokens=torch.tensor([5, 3, 4, 6], dtype=torch.int32),
         logits=verification_rows([7, 4, 5, 1]), num_draft_tokens=[0, 2],
     )
     adj = proposer.matrix.view()
@@ -210,24 +242,26 @@ def test_proposer_auto_budget_sends_what_pays_and_learns_from_it():
     from vllm_recycling.budget import StepCost, confidence_bins
 
     proposer = make_proposer("shared", tree=[[0], [1], [0, 0]], budget="auto")
-    proposer.cost = StepCost([1, 101], [1.0, 2.0])  # 10 ms per token on a 1 s step
-    proposer.calibration.table[:] = 0.0
-    proposer.calibration.table[15] = 0.9  # only confidences above 0.88 get accepted, first level
-    proposer.set_batch(["a"], lambda r: None)
+    budget = proposer.budget
+    budget.cost = StepCost([1, 101], [1.0, 2.0])  # 10 ms per token on a 1 s step
+    budget.calibration.table[:] = 0.0
+    budget.calibration.table[15] = 0.9  # only confidences above 0.88 get accepted, first level
+    begin(proposer, ["a"])
     # token 5 -> 7 with probability ~1; 7's row was never verified (probabilities 0)
-    proposer.observe_verification(["a"], {"a"}, torch.tensor([5]), verification_rows([7]), [0])
+    observe(proposer, ["a"], {"a"}, torch.tensor([5]), verification_rows([7]), [0])
     assert proposer.matrix.probs[5, 0] == 1.0 and proposer.matrix.probs[7].eq(0).all()
     assert proposer.propose([[5]], np.array([10]), None) == [[7]]  # node 1 only
-    assert proposer.last_admission.num_admitted == 1 and proposer.last_admission.trees == 0
+    assert budget.last_admission.num_admitted == 1 and budget.last_admission.trees == 0
+    assert proposer.proposal.nodes_of("a").tolist() == [1]
     # next step: a chain of one draft (no tree step), accepted, then the bonus token 3
-    offsets = proposer.plan_step([1], np.array([0, 2]), np.array([11]), torch.arange(2))
-    assert offsets is None and proposer._step["decode_only"]
-    proposer.observe_verification(["a"], {"a"}, torch.tensor([5, 7]), verification_rows([7, 3]), [1])
-    trials = proposer.calibration.trials.copy()
+    offsets = begin(proposer, ["a"], num_draft=[1], computed=[11])
+    assert offsets is None and proposer.record.plan.decode_only and proposer.record.plan.tree is None
+    observe(proposer, ["a"], {"a"}, torch.tensor([5, 7]), verification_rows([7, 3]), [1])
+    trials = budget.calibration.trials.copy()
     proposer.propose([[7, 3]], np.array([12]), None)
     top = int(confidence_bins(np.array([1.0]))[0])
-    assert trials[top] == 0 and proposer.calibration.trials[top] == 1
-    assert proposer.cost.observed == 1
+    assert trials[top] == 0 and budget.calibration.trials[top] == 1
+    assert budget.cost.observed == 1 and proposer.record is None
 
 
 def test_profile_times_small_sizes_in_rounds(monkeypatch):
@@ -236,7 +270,7 @@ def test_profile_times_small_sizes_in_rounds(monkeypatch):
     each size's profile is its median."""
     import numpy as np
 
-    from vllm_recycling import proposer as proposer_module
+    from vllm_recycling import adaptive_budget
     from vllm_recycling.budget import EXACT_PROFILE_TOKENS, profile_sizes
 
     proposer = make_proposer("shared", tree=[[0], [1], [0, 0]], budget="auto")
@@ -247,14 +281,14 @@ def test_profile_times_small_sizes_in_rounds(monkeypatch):
         slow = 10.0 if len(calls) in (3, 4) else 0.0  # one slow moment, early in round one
         clock[0] += n * 1e-3 + slow
 
-    monkeypatch.setattr(proposer_module.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(adaptive_budget.time, "perf_counter", lambda: clock[0])
     proposer.profile_step_cost(run_tokens, 100)
     sizes = profile_sizes(100)
     small = [n for n in sizes if n <= EXACT_PROFILE_TOKENS]
-    rounds = [small if r % 2 == 0 else small[::-1] for r in range(proposer_module.PROFILE_REPEATS)]
+    rounds = [small if r % 2 == 0 else small[::-1] for r in range(adaptive_budget.PROFILE_REPEATS)]
     assert calls == [sizes[0]] + [n for r in rounds for n in r] + sizes[len(small):]
-    assert proposer.cost.sizes.tolist() == sizes
-    assert proposer.cost.seconds == pytest.approx(np.array(sizes) * 1e-3)  # medians: no slow size
+    assert proposer.budget.cost.sizes.tolist() == sizes
+    assert proposer.budget.cost.seconds == pytest.approx(np.array(sizes) * 1e-3)  # medians: no slow size
 
 
 def test_proposer_auto_budget_does_not_draft_when_nothing_can_pay():
@@ -266,12 +300,13 @@ def test_proposer_auto_budget_does_not_draft_when_nothing_can_pay():
     from vllm_recycling.budget import StepCost
 
     proposer = make_proposer("shared", tree=[[0], [1], [0, 0]], budget="auto")
-    proposer.cost = StepCost([1, 101], [1.0, 2.0])  # 10 ms per token on a 1 s step
-    proposer.calibration.prior_hits[:] = 0.0
-    proposer.calibration.observe(np.array([0]), np.array([False]))  # every bin at 0: nothing pays
-    assert proposer.calibration.max_edge == 0.0
-    proposer.set_batch(["a"], lambda r: None)
-    proposer.observe_verification(["a"], {"a"}, torch.tensor([5]), verification_rows([7]), [0])
+    budget = proposer.budget
+    budget.cost = StepCost([1, 101], [1.0, 2.0])  # 10 ms per token on a 1 s step
+    budget.calibration.prior_hits[:] = 0.0
+    budget.calibration.observe(np.array([0]), np.array([False]))  # every bin at 0: nothing pays
+    assert budget.calibration.max_edge == 0.0
+    begin(proposer, ["a"])
+    observe(proposer, ["a"], {"a"}, torch.tensor([5]), verification_rows([7]), [0])
 
     draft = proposer.matrix.draft
     drafted = []
@@ -282,7 +317,7 @@ def test_proposer_auto_budget_does_not_draft_when_nothing_can_pay():
 
     proposer.matrix.draft = first_level_only
     assert proposer.propose([[5]], np.array([10]), None) == [[]]
-    assert proposer.last_admission.num_admitted == 0 and not proposer.last_admission.mask.any()
+    assert budget.last_admission.num_admitted == 0 and not budget.last_admission.mask.any()
     assert drafted == [2]  # the first level (nodes [0] and [1]) for the calibration, not the tree
 
 
@@ -296,21 +331,22 @@ def test_proposer_auto_budget_learns_while_sending_nothing():
     from vllm_recycling.budget import FORGET, StepCost, confidence_bins
 
     proposer = make_proposer("shared", tree=[[0], [1], [0, 0]], budget="auto")
-    proposer.cost = StepCost([1, 101], [1.0, 2.0])
-    proposer.calibration.prior_hits[:] = 0.0
-    proposer.calibration.observe(np.array([0]), np.array([False]))  # nothing pays
-    proposer.set_batch(["a", "b"], lambda r: None)
+    calibration = proposer.budget.calibration
+    proposer.budget.cost = StepCost([1, 101], [1.0, 2.0])
+    calibration.prior_hits[:] = 0.0
+    calibration.observe(np.array([0]), np.array([False]))  # nothing pays
+    begin(proposer, ["a", "b"])
     # 5 -> 7 (probability ~1), then 0 (~0); 6's row never written: nodes 0 and 0
-    proposer.observe_verification(["a", "b"], {"a", "b"}, torch.tensor([5, 9]), verification_rows([7, 2]), [0, 0])
+    observe(proposer, ["a", "b"], {"a", "b"}, torch.tensor([5, 9]), verification_rows([7, 2]), [0, 0])
     assert proposer.propose([[5], [6]], np.array([10, 10]), None) == [[], []]
-    trials, hits = proposer.calibration.trials.copy(), proposer.calibration.hits.copy()
-    proposer.plan_step([0, 0], np.array([0, 1, 2]), np.array([11, 11]), torch.arange(2))
-    proposer.observe_verification(["a", "b"], {"a", "b"}, torch.tensor([5, 6]), verification_rows([7, 0]), [0, 0])
+    trials, hits = calibration.trials.copy(), calibration.hits.copy()
+    begin(proposer, ["a", "b"], num_draft=[0, 0], computed=[11, 11])
+    observe(proposer, ["a", "b"], {"a", "b"}, torch.tensor([5, 6]), verification_rows([7, 0]), [0, 0])
     proposer.propose([[7], [0]], np.array([11, 11]), None)  # a emitted 7, b emitted 0
     top, low = (int(b) for b in confidence_bins(np.array([1.0, 0.0])))
     # a: node [0] (token 7, bin top) accepted, node [1] (token 0, bin low, written) not;
     # b: its root's row was never written (token 0 at every rank, confidence 0): no trials
-    learnt = proposer.calibration.trials - FORGET * trials, proposer.calibration.hits - FORGET * hits
+    learnt = calibration.trials - FORGET * trials, calibration.hits - FORGET * hits
     assert learnt[0][[top, low]].tolist() == pytest.approx([1, 1])
     assert learnt[1][[top, low]].tolist() == pytest.approx([1, 0])
 
@@ -321,45 +357,47 @@ def test_proposer_per_request_matrices():
 
     proposer = make_proposer("per_request", max_num_seqs=2)
     tokens = torch.tensor([5, 5], dtype=torch.int32)
-    proposer.observe_verification(["a", "b"], {"a", "b"}, tokens, verification_rows([7, 9]), [0, 0])
+    observe(proposer, ["a", "b"], {"a", "b"}, tokens, verification_rows([7, 9]), [0, 0])
     assert proposer.propose([[5], [5]], np.array([3, 3]), None) == [[7, 0, 0], [9, 0, 0]]
     # a finished; c gets a fresh matrix (the pool holds 2)
-    proposer.observe_verification(["b", "c"], {"b", "c"}, tokens, verification_rows([9, 2]), [0, 0])
+    observe(proposer, ["b", "c"], {"b", "c"}, tokens, verification_rows([9, 2]), [0, 0])
     assert proposer.propose([[5], [8]], np.array([4, 3]), None) == [[9, 0, 0], [0, 0, 0]]
     # b preempted (live but not scheduled): its matrix makes room for d
-    proposer.observe_verification(["c", "d"], {"b", "c", "d"}, tokens, verification_rows([2, 11]), [0, 0])
+    observe(proposer, ["c", "d"], {"b", "c", "d"}, tokens, verification_rows([2, 11]), [0, 0])
     assert proposer.propose([[5], [5]], np.array([4, 3]), None) == [[2, 0, 0], [11, 0, 0]]
-    assert proposer._slot_holders == {"c", "d"}
+    assert proposer.slots.holders == {"c", "d"}
 
 
 def test_proposer_tree_step_from_plain_values():
-    """What ``patches.TreePositions`` hands the proposer: the batch's requests (one with
-    structured output, which gets no drafts) and the runner's host arrays of the step."""
+    """What ``patches.runner.TreePositions`` hands the proposer: the batch's requests (one with
+    structured output, which gets no drafts) and the runner's host arrays of the step; the
+    step's record and the tree the attention layers read (``step.ACTIVE_TREE``)."""
     from types import SimpleNamespace
 
     import numpy as np
     import torch
 
-    from vllm_recycling.tree_verify import ACTIVE_STEP
+    from vllm_recycling.step import ACTIVE_TREE
 
     proposer = make_proposer("shared", tree=[[0], [1], [0, 0]])  # nodes at depths 1, 1, 2
     params = {"a": SimpleNamespace(structured_outputs=None),
               "b": SimpleNamespace(structured_outputs=object())}
-    proposer.set_batch(["a", "b", "gone"], params.get)
+    assert begin(proposer, ["a", "b", "gone"], params=params.get) is None
     assert proposer.propose([[5], [6], [7]], np.array([3, 3, 3]), None) == [[0, 0, 0], [], [0, 0, 0]]
 
     slots = torch.arange(100, 105)
     try:
         # a: a 1-token decode without drafts (row 0); b: root row 1, nodes at rows 2, 3, 4
-        offsets = proposer.plan_step([0, 3], np.array([0, 1, 5]), np.array([10, 20]), slots)
+        offsets = begin(proposer, ["a", "b"], num_draft=[0, 3], computed=[10, 20], slots=slots)
         assert offsets.dtype == torch.int64 and offsets.tolist() == [0, 0, 0, -1, -1]
-        step = ACTIVE_STEP.step
-        assert (step.num_tokens, step.req_index_np.tolist(), step.prefix_len.tolist()) == (5, [1], [20])
-        assert step.slot_mapping is slots
-        assert proposer.plan_step(None, np.array([0, 1]), np.array([10]), slots) is None
-        assert ACTIVE_STEP.step is None
+        tree, plan = ACTIVE_TREE.tree, proposer.record.plan
+        assert tree is plan.tree and plan.slot_mapping is slots
+        assert (tree.num_tokens, tree.req_index_np.tolist(), tree.prefix_len.tolist()) == (5, [1], [20])
+        assert proposer.record.batch == ("a", "b") and plan.num_draft == (0, 3) and plan.num_trees == 1
+        assert begin(proposer, ["a"], computed=[10], slots=slots) is None
+        assert ACTIVE_TREE.tree is None
     finally:
-        ACTIVE_STEP.step = None
+        ACTIVE_TREE.clear()
 
 
 def test_proposer_starts_from_the_snapshot(tmp_path):
@@ -470,13 +508,13 @@ def test_other_methods_untouched(tiny_model):
 def test_snapshot_saved_every_interval(tmp_path, monkeypatch):
     import numpy as np
 
-    from vllm_recycling import proposer as proposer_module
+    from vllm_recycling import slots
 
     path = tmp_path / "adj.safetensors"
     proposer = make_proposer("shared", snapshot=str(path))
     clock = [1000.0]
-    monkeypatch.setattr(proposer_module.time, "monotonic", lambda: clock[0])
-    proposer._last_save = clock[0]
+    monkeypatch.setattr(slots.time, "monotonic", lambda: clock[0])
+    proposer.slots._last_save = clock[0]
     proposer.propose([[3]], np.array([5]), None)
     assert not path.exists()
     clock[0] += 300.0  # the default interval

@@ -1,18 +1,15 @@
-"""Tree verification's PyTorch pieces (``vllm_recycling.tree_verify``, ``cpu_kv``), exactly."""
+"""Tree verification's PyTorch pieces, exactly: the step's tree rows (``tree_step``), the paths
+and their chains (``paths``), CPU tree attention and KV (``cpu_attention``)."""
 
 import numpy as np
 import pytest
 import torch
 
 from vllm_recycling.tree import compile_tree
-from vllm_recycling.tree_verify import (
-    ChainPlan,
-    TreeLayout,
-    TreeStep,
-    choose_paths,
-    draft_probabilities,
-    tree_attention,
-)
+from vllm_recycling.cpu_attention import attention_groups
+from vllm_recycling.cpu_attention import tree_attention_cpu as tree_attention
+from vllm_recycling.paths import ChainPlan, choose_paths, draft_probabilities
+from vllm_recycling.tree_step import TreeLayout, TreeStep
 from vllm_recycling.transfer import to_device
 
 # root -> a(0), b(1); a -> c(0,0), d(0,1); c -> e(0,0,0). Breadth-first: 0 root, 1 a, 2 b, 3 c,
@@ -96,7 +93,7 @@ def test_tree_attention_matches_per_node_attention(layout):
     cache_k = _cache_with_nodes(torch.randn(2, 16, kv_heads, dim), [3, 9], [10, 7], [6, 4], key)
     cache_v = _cache_with_nodes(torch.randn(2, 16, kv_heads, dim), [3, 9], [10, 7], [6, 4], value, 1e30)
     seen = []
-    assert [g.req.tolist() for g in step.groups] == [[1, 0]]  # by prefix length (7, 10), one group
+    assert [g.req.tolist() for g in attention_groups(step)] == [[1, 0]]  # by prefix length (7, 10), one group
 
     before = torch.randn(total, heads * dim)
     output = before.clone()
@@ -123,9 +120,9 @@ def test_tree_attention_matches_per_node_attention(layout):
 def test_tree_attention_groups_requests_by_prefix_length(layout, monkeypatch):
     """More requests than a group holds, prefixes of many lengths: every node row equals
     attention over its own prefix and ancestors, whatever group and padding it got."""
-    import vllm_recycling.tree_verify as tv
+    import vllm_recycling.cpu_attention as cpu_attention
 
-    monkeypatch.setattr(tv, "GROUP_SIZE", 3)
+    monkeypatch.setattr(cpu_attention, "GROUP_SIZE", 3)
     torch.manual_seed(1)
     heads, kv_heads, dim = 6, 2, 4
     prefixes = [9, 1, 70, 4, 40, 2, 35]
@@ -133,7 +130,7 @@ def test_tree_attention_groups_requests_by_prefix_length(layout, monkeypatch):
     qsl = np.concatenate([[0], np.cumsum(np.array(drafts) + 1)])
     step = plan(layout, drafts, qsl, prefixes)
     # below 32 tokens (2 groups: at most 3 each), 32..63, 64..127
-    assert [(g.req.tolist(), g.max_prefix) for g in step.groups] == [
+    assert [(g.req.tolist(), g.max_prefix) for g in attention_groups(step)] == [
         ([1, 5], 2), ([3, 0], 9), ([6, 4], 40), ([2], 70)]
     total = int(qsl[-1])
     query, key, value = torch.randn(total, heads, dim), torch.randn(total, kv_heads, dim), torch.randn(total, kv_heads, dim)
@@ -326,13 +323,13 @@ def test_chain_plan_and_compaction(layout):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_kv_layout_matches_vllm_writer(head_dim, isa, dtype):
     pytest.importorskip("vllm")
-    from vllm_recycling.cpu_kv import check_layout
+    from vllm_recycling.cpu_attention import check_layout
 
     assert check_layout(isa, dtype, head_dim, block_size=32)
 
 
 def test_cpu_kv_move_slots():
-    from vllm_recycling.cpu_kv import move_slots, read_blocks
+    from vllm_recycling.cpu_attention import move_slots, read_blocks
 
     cache = torch.randn(4, 2, 8, 2 * 4)  # 4 blocks of 8 tokens, 2 heads, D 4
     table = torch.tensor([[3, 1]])
@@ -444,8 +441,8 @@ def test_tree_step_never_waits_for_the_gpu():
     torch.cuda.set_sync_debug_mode("error")
     try:
         step = TreeStep.plan(layout, np.array([5, 0, 3]), np.array([0, 6, 7, 11]),
-                             np.array([20, 9, 30]), device, groups=False)
-        # the matrix learns from every row (RecyclingProposer.observe_verification)
+                             np.array([20, 9, 30]), device)
+        # the matrix learns from every row (RecyclingProposer.verify)
         rows = to_device(np.repeat(np.arange(3), [6, 1, 4]), torch.int64, device)
         matrix.update(tokens[:, None], logits, matrix.slots(list("abc"))[rows])
         starts = to_device(np.array([0, 7]), torch.int64, device)

@@ -81,8 +81,10 @@ def _impl(**overrides):
         ({}, dict(head_size_v=128), "value head size"),
     ],
 )
-def test_check_impl_names_what_it_refuses(overrides, layer, named):
-    why = triton_path.check_impl(_impl(**overrides), SimpleNamespace(**{"attn_type": "decoder", **layer}))
+def test_unsupported_layer_names_what_it_refuses(overrides, layer, named):
+    from vllm_recycling.support import unsupported_layer
+
+    why = unsupported_layer(_impl(**overrides), SimpleNamespace(**{"attn_type": "decoder", **layer}))
     if named is None:
         assert why is None
     else:

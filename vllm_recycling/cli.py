@@ -216,7 +216,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     try:
         # refused before vLLM binds the port or builds an engine (vLLM's parser gives the JSON
         # as a dict, engine/arg_utils.py:1826; the engine checks it again, for `vllm serve` and
-        # the LLM class: patches.translate_recycling_spec)
+        # the LLM class: patches.engine_args.translate_recycling_spec)
         spec = getattr(serve_args, "speculative_config", None)
         if isinstance(spec, dict) and spec.get("method") == METHOD:
             RecyclingConfig.from_dict(spec)

@@ -3,7 +3,7 @@
 A user writes ``speculative_config={"method": "recycling", ...}`` (the server:
 ``--speculative-config '{"method": "recycling", ...}'``). Every key is checked here, in the
 front-end process, before vLLM builds its own ``SpeculativeConfig``; an error names the key,
-the value and what is allowed. ``patches.TranslateRecyclingSpecConfig`` then hands vLLM only
+the value and what is allowed. ``patches.engine_args.TranslateRecyclingSpecConfig`` then hands vLLM only
 what it knows (``method="custom_class"``, the proposer's class path and
 ``num_speculative_tokens``) and carries this dataclass, as a JSON-able dict, in
 ``VllmConfig.additional_config["recycling"]`` to the workers, where the proposer reads it back.

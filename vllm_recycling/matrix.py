@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from vllm_recycling.kernels import native
-from vllm_recycling.kernels.draft_tree import Overlay
+from vllm_recycling.kernels.draft_tree import Overlay, draft_tree
 from vllm_recycling.kernels.topk_update import topk_update
 from vllm_recycling.transfer import to_device
 
@@ -246,13 +246,12 @@ class AdjacencyMatrix:
         self, roots: torch.Tensor, tree, slots: torch.Tensor | None = None, with_probs: bool = False,
         **kwargs,
     ):
-        """The draft trees of requests with roots [B] and ``slots`` [B] (``draft.draft_tokens``);
-        with_probs: also each node's confidence [B, N+1] float32, last in the returned tuple."""
-        from vllm_recycling.draft import draft_tokens
-
+        """The draft trees of requests with roots [B] and ``slots`` [B]: tokens [B, N+1] int32,
+        node i is ``table[row(parent), rank[i]]`` (``kernels.draft_tree``, one launch); with
+        with_probs also each node's confidence [B, N+1] float32, last in the returned tuple."""
         row_base, overlay = self.lookup(slots)
         probs = self.probs if with_probs else None
-        return draft_tokens(self.table, roots, tree, row_base, overlay=overlay, probs=probs, **kwargs)
+        return draft_tree(self.table, roots, tree, row_base, overlay=overlay, probs=probs, **kwargs)
 
     # -- update ----------------------------------------------------------------------------------
     def update(

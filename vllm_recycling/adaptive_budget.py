@@ -1,0 +1,261 @@
+"""Owns the adaptive budget of one worker (``budget: "auto"``): its calibration, its step-cost
+model, the start-up profile, and each step's decision of which drafted nodes to send.
+
+``budget.py`` holds the arithmetic (``Calibration``, ``StepCost``, ``admit``); this class runs
+it against the steps: ``propose`` decides what the next step verifies and returns it as a
+``step.Proposal``, ``learn`` folds a finished ``step.StepRecord`` back in (its measured time
+into the cost model, which sent nodes were accepted into the calibration).
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from vllm.logger import init_logger
+
+from vllm_recycling import LOGGER_NAME
+from vllm_recycling.budget import (
+    EXACT_PROFILE_TOKENS,
+    SYNC_STEPS,
+    Admission,
+    Calibration,
+    StepCost,
+    admit,
+    chain_nodes,
+    no_drafts,
+    nothing_pays,
+    profile_seconds,
+    profile_sizes,
+)
+from vllm_recycling.matrix import AdjacencyMatrix
+from vllm_recycling.step import Proposal, StepRecord
+from vllm_recycling.tree import TreeTemplate, load_tree
+
+logger = init_logger(LOGGER_NAME)
+
+PROFILE_MAX_TOKENS = 512
+# Rounds of the start-up profile at sizes up to EXACT_PROFILE_TOKENS (docs/design.md, "Step
+# cost", says why rounds and how many).
+PROFILE_REPEATS = 5
+LOG_INTERVAL_S = 30.0
+
+
+class AdaptiveBudget:
+    """template: the pool of nodes (on the matrix's device); topk: the matrix's k."""
+
+    def __init__(self, template: TreeTemplate, topk: int, device: torch.device) -> None:
+        self.template = template
+        self.calibration = Calibration(device)
+        # A flat prior until the start-up profile (patches.runner.ProfileStepCost) replaces it.
+        self.cost = StepCost([1, 1 << 20], [0.0, 0.0])
+        self.chain = chain_nodes(template.parent, template.rank).to(device)
+        self._parent = template.parent.clamp(min=0).to(device)
+        self._parent_np = template.parent.clamp(min=0).cpu().numpy()
+        # per non-root node: 1 below the first level (the calibration's second table)
+        self._deep = (np.arange(1, template.num_nodes + 1) >= template.level_starts[2]).astype(np.int64)
+        first_level = [p for p in template.paths if len(p) == 1]
+        self._first_level = load_tree(first_level, topk).to(device)
+        self._last_end: float | None = None
+        self._prev_batch: set[str] = set()
+        self._steps = 0
+        self._stats = np.zeros(4)  # timed steps, measured s, predicted s, drafts (for the log)
+        self._last_log = time.perf_counter()
+        self.last_admission: Admission | None = None  # the last decision (benchmarks, tests)
+        self.decision_digest = 0  # a checksum of every decision so far (tensor-parallel ranks agree)
+
+    # -- start-up --------------------------------------------------------------------------------
+    def profile(self, run_tokens: Callable[[int], Any], max_tokens: int) -> None:
+        """Time ``run_tokens(n)`` (a forward pass of n tokens) for the sizes of
+        ``budget.profile_sizes`` up to min(max_tokens, PROFILE_MAX_TOKENS): up to
+        EXACT_PROFILE_TOKENS the median of PROFILE_REPEATS rounds, each timing every such size
+        once, ascending and descending by turns (a drift of the machine's speed spreads over all
+        sizes instead of making one look cheap), above it one run; averaged over tensor-parallel
+        ranks so that all of them decide alike. The result is the cost model's profile."""
+        sizes = profile_sizes(max(2, min(max_tokens, PROFILE_MAX_TOKENS)))
+        started = time.perf_counter()
+        run_tokens(sizes[0])  # warm-up
+        small = [n for n in sizes if n <= EXACT_PROFILE_TOKENS]
+        runs: dict[int, list[float]] = {n: [] for n in sizes}
+        for round_ in range(PROFILE_REPEATS):
+            for n in small if round_ % 2 == 0 else small[::-1]:
+                t0 = time.perf_counter()
+                run_tokens(n)
+                runs[n].append(time.perf_counter() - t0)
+        for n in sizes[len(small):]:
+            t0 = time.perf_counter()
+            run_tokens(n)
+            runs[n].append(time.perf_counter() - t0)
+        seconds = profile_seconds(sizes, runs)
+        mean = tensor_parallel_mean()
+        if mean is not None:
+            seconds = mean(seconds)
+        self.cost = StepCost(sizes, seconds)
+        logger.info(
+            "recycling: step cost profiled in %.1f s: %s",
+            time.perf_counter() - started,
+            ", ".join(f"{n} tokens {1e3 * t:.1f} ms" for n, t in zip(sizes, seconds) if n in (1, 2, 4, 16, 64, sizes[-1])),
+        )
+
+    # -- each step -------------------------------------------------------------------------------
+    def propose(
+        self,
+        matrix: AdjacencyMatrix,
+        roots: torch.Tensor,
+        slots: torch.Tensor | None,
+        active: list[int],
+        batch: list[str],
+        num_decoding: int,
+        base_tokens: int,
+    ) -> tuple[dict[int, list[int]], Proposal]:
+        """The drafts of the requests ``active`` (batch indices; roots [len(active)] their last
+        tokens, slots their matrix slots): batch index -> drafts in breadth-first order, for those
+        sent any, and the ``Proposal`` that records them. num_decoding: requests of the batch
+        that decode; base_tokens: the step's tokens without drafts."""
+        num_nodes = self.template.num_nodes
+        if nothing_pays(self.calibration.max_edge, self.cost, num_decoding, base_tokens, len(active) * num_nodes):
+            # no node survives more than the calibration's best edge, and that does not pay:
+            # plain decoding, decided without drafting the tree (what admit would decide)
+            decision = no_drafts(len(active), num_nodes, num_decoding, base_tokens, self.cost)
+            self._record(decision)
+            tokens, conf = matrix.draft(roots, self._first_level, slots, with_probs=True)
+            every = np.ones(len(active), dtype=bool)
+            unsent = self._unsent(active, batch, tokens[:, 1:].cpu().numpy(), conf[:, 1:].cpu().numpy(), every)
+            return {}, Proposal(unsent=unsent, predicted_seconds=decision.seconds)
+        tokens, conf = matrix.draft(roots, self.template, slots, with_probs=True)
+        survival = self.calibration.survival(conf, self._parent, self.template.level_starts)
+        decision = admit(survival[:, 1:], self.chain, num_decoding, base_tokens, self.cost)
+        mask = self._record(decision)
+        tokens_np, conf_np = tokens[:, 1:].cpu().numpy(), conf[:, 1:].cpu().numpy()
+        bins = self.calibration.bins(conf_np, self._deep)
+        drafts, sent = {}, {}
+        for k, i in enumerate(active):  # vLLM takes one Python list of drafts per request
+            nodes = np.flatnonzero(mask[k])
+            if nodes.size:
+                drafts[i] = tokens_np[k, nodes].tolist()
+                sent[batch[i]] = (nodes + 1, bins[k, nodes])
+        unsent = self._unsent(active, batch, tokens_np, conf_np, ~mask.any(axis=1))
+        return drafts, Proposal(sent=sent, unsent=unsent, predicted_seconds=decision.seconds)
+
+    def _unsent(self, active: list[int], batch: list[str], tokens: np.ndarray, conf: np.ndarray,
+                rows: np.ndarray) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """For the requests ``active[k]`` with ``rows[k]`` (sent no drafts), the tokens and
+        confidence bins of their first-level nodes from written rows, for ``learn``. tokens /
+        conf [len(active), >= first-level nodes]: the drafted nodes below the root,
+        breadth-first as in the template (host arrays the caller already holds)."""
+        if not rows.any():
+            return {}
+        end = self._first_level.num_nodes
+        first_tokens, first_conf = tokens[:, :end], conf[:, :end]
+        first_bins = self.calibration.bins(first_conf, 0)
+        # the first level is the root's row: one never written (every probability 0) drafts
+        # token 0 at every rank, no trials
+        return {
+            batch[active[k]]: (first_tokens[k], first_bins[k])
+            for k in np.flatnonzero(rows & (first_conf.max(axis=1) > 0))
+        }
+
+    def _record(self, decision: Admission) -> np.ndarray:
+        """Keep the step's decision (benchmarks, tests, the log) and its checksum (the ranks of
+        a tensor-parallel group must agree); returns its mask on the host."""
+        self.last_admission = decision
+        mask = decision.mask.cpu().numpy()
+        self.decision_digest = zlib.crc32(mask.tobytes(), self.decision_digest)
+        return mask
+
+    def learn(self, record: StepRecord, sampled_token_ids: list[list[int]]) -> None:
+        """Fold the step that just ended into the cost model (its measured duration, from the end
+        of one ``propose`` to the start of the next) and the calibration (which sent nodes were
+        accepted). sampled_token_ids: per request of ``record.batch``, the tokens it emitted."""
+        now = time.perf_counter()
+        plan, batch = record.plan, set(record.batch)
+        # A step right after one whose requests all ended may include idle time: not timed.
+        if self._last_end is not None and plan is not None and plan.decode_only and batch & self._prev_batch:
+            seconds = now - self._last_end
+            tree_seconds = 0.0 if record.verification is None else record.verification.tree_seconds
+            self.cost.observe(plan.num_tokens, plan.num_trees, tree_seconds, seconds, drafted=plan.drafted)
+            self._stats += np.array(
+                [1, seconds, record.proposal.predicted_seconds, plan.num_tokens - len(batch)]
+            )
+        self._prev_batch = batch
+        self._steps += 1
+        # Every rank calls this at the same steps: at 1, 2, 4, ... 32, then every 32.
+        if self._steps % SYNC_STEPS == 0 or (self._steps < SYNC_STEPS and not self._steps & (self._steps - 1)):
+            self.cost.agree(tensor_parallel_mean())
+        if now - self._last_log >= LOG_INTERVAL_S and self._stats[0] > 0:
+            self._log(len(batch))
+            self._last_log = now
+        trial_bins, hits = self._trials(record, sampled_token_ids)
+        if trial_bins:
+            self.calibration.observe(np.concatenate(trial_bins), np.concatenate(hits))
+        self._last_end = now
+
+    def _trials(self, record: StepRecord, sampled_token_ids: list[list[int]]):
+        """The calibration's trials of the step: (bins, accepted) arrays, for every sent node
+        whose parent was accepted and every first-level node of a request sent nothing."""
+        paths = {}
+        if record.verification is not None:  # vLLM has read this step's output: no wait here
+            v = record.verification
+            paths = {int(b): p[p >= 0] for b, p in zip(v.req_index, v.path.cpu().numpy())}
+        num_draft = None if record.plan is None else record.plan.num_draft
+        trial_bins, hits = [], []
+        if num_draft is not None:
+            for i, req_id in enumerate(record.batch):  # host bookkeeping of sent drafts
+                n = int(num_draft[i]) if i < len(num_draft) else 0
+                sent = record.proposal.sent.get(req_id)
+                if (n == 0 or sent is None or n > len(sent[0]) or i >= len(sampled_token_ids)
+                        or not sampled_token_ids[i]):
+                    continue
+                nodes, node_bins = sent[0][:n], sent[1][:n]
+                accepted = len(sampled_token_ids[i]) - 1
+                path = paths.get(i)
+                on_path = nodes[:accepted] if path is None else nodes[path[:accepted] - 1]
+                won = np.zeros(self.template.num_nodes + 1, dtype=bool)
+                won[0] = True
+                won[on_path] = True
+                tried = won[self._parent_np[nodes]]
+                trial_bins.append(node_bins[tried])
+                hits.append(won[nodes][tried])
+        unsent = record.proposal.unsent
+        if unsent:  # first-level nodes not sent: accepted if the step emitted their token
+            for i, req_id in enumerate(record.batch[: len(sampled_token_ids)]):
+                first = unsent.get(req_id)
+                if first is not None and len(sampled_token_ids[i]) == 1:
+                    trial_bins.append(first[1])
+                    hits.append(first[0] == sampled_token_ids[i][0])
+        return trial_bins, hits
+
+    def _log(self, batch_size: int) -> None:
+        n, measured, predicted, drafts = self._stats
+        a, b, c, d = self.cost.agreed
+        logger.info(
+            "recycling budget: %d decode steps, %.2f drafts per request per step; step %.1f ms "
+            "measured, %.1f ms predicted; residual %.1f ms + %.3f ms/token; %.1f ms per tree; "
+            "%.1f ms per drafting step",
+            n, drafts / max(n * batch_size, 1), 1e3 * measured / n, 1e3 * predicted / n,
+            1e3 * a, 1e3 * b, 1e3 * c, 1e3 * d,
+        )
+        self._stats[:] = 0
+
+
+def tensor_parallel_mean():
+    """A function averaging a small host array over the tensor-parallel ranks (None in a single
+    process): what the ranks' cost models agree on."""
+    try:
+        from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group
+
+        if get_tensor_model_parallel_world_size() == 1:
+            return None
+        group = get_tp_group().cpu_group
+    except (AssertionError, ImportError, RuntimeError):
+        return None
+
+    def mean(values: np.ndarray) -> np.ndarray:
+        t = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float64))
+        torch.distributed.all_reduce(t, group=group)
+        return (t / torch.distributed.get_world_size(group)).numpy()
+
+    return mean

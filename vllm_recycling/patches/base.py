@@ -1,0 +1,65 @@
+"""What every patch module shares: ``MethodPatch``, the one way a method of vLLM is wrapped,
+and how a patch finds the recycling drafter of a model runner."""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+from vllm_recycling.proposer import RecyclingProposer
+
+_MARK = "__vllm_recycling_patch__"
+# The attribute under which a worker's step output carries the step's drafts to the engine core
+# (``runner.DraftsWithSampledTokens`` sets it, ``scheduler.DraftsFromSampledOutput`` reads it).
+DRAFTS_ATTR = "recycling_draft_token_ids"
+
+
+class MethodPatch:
+    """Wraps ``owner.attr`` once: ``wrap(original)`` returns the replacement."""
+
+    name: str
+
+    @staticmethod
+    def target() -> tuple[type, str]:
+        raise NotImplementedError
+
+    @staticmethod
+    def wrap(original: Callable) -> Callable:
+        raise NotImplementedError
+
+    @staticmethod
+    def wanted() -> bool:
+        """Whether this process needs the patch (all do, unless a patch says otherwise)."""
+        return True
+
+    @classmethod
+    def apply(cls) -> bool:
+        """Install the wrapper; False if it was already installed or is not wanted here."""
+        if not cls.wanted():
+            return False
+        owner, attr = cls.target()
+        current = owner.__dict__.get(attr)
+        if current is None:
+            raise RuntimeError(
+                f"vllm-recycling patch {cls.name}: "
+                f"{getattr(owner, '__qualname__', getattr(owner, '__name__', owner))}.{attr} "
+                "is missing; this vLLM is not the 0.32 the plugin was written for"
+            )
+        if getattr(current, _MARK, None) == cls.name:
+            return False
+        replacement = functools.wraps(current)(cls.wrap(current))
+        setattr(replacement, _MARK, cls.name)
+        setattr(owner, attr, replacement)
+        return True
+
+    @classmethod
+    def is_applied(cls) -> bool:
+        owner, attr = cls.target()
+        return getattr(owner.__dict__.get(attr), _MARK, None) == cls.name
+
+
+def recycling_drafter(runner) -> RecyclingProposer | None:
+    """The runner's drafter when it is ours (``runner.CheckDrafter`` makes sure, at start-up,
+    that a runner built for method "recycling" holds it), else None."""
+    drafter = getattr(runner, "drafter", None)
+    return drafter if isinstance(drafter, RecyclingProposer) else None

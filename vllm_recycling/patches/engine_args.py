@@ -1,0 +1,109 @@
+"""The front end: where ``speculative_config={"method": "recycling", ...}`` becomes what vLLM
+0.32 knows, before any engine is built."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.logger import init_logger
+
+from vllm_recycling import LOGGER_NAME
+from vllm_recycling.patches.base import MethodPatch
+from vllm_recycling.proposer import RecyclingProposer
+from vllm_recycling.triton_path import engine_settings
+
+logger = init_logger(LOGGER_NAME)
+
+PROPOSER_CLASS = f"{RecyclingProposer.__module__}.{RecyclingProposer.__qualname__}"
+
+
+class TranslateRecyclingSpecConfig(MethodPatch):
+    """``EngineArgs.create_speculative_config`` (engine/arg_utils.py:2060-2099).
+
+    vLLM's ``SpeculativeConfig`` is a pydantic dataclass with ``extra="forbid"``
+    (config/utils.py:71) and ``method`` a Literal (config/speculative.py:73-83, 399), so neither
+    "recycling" nor our keys would validate. Both the Python API (``LLM(**kw)`` ->
+    ``EngineArgs``, entrypoints/llm.py) and the server (``--speculative-config`` is parsed with
+    ``json.loads`` only, arg_utils.py:1823-1829) reach this method with the user's dict, from
+    ``create_engine_config`` (arg_utils.py:2594), after ``EngineArgs.__post_init__`` loaded the
+    plugins (arg_utils.py:904-906) and before ``VllmConfig`` is built with
+    ``additional_config`` (arg_utils.py:2865).
+
+    For ``method == "recycling"`` the wrapper validates every key (``RecyclingConfig``,
+    including the snapshot against the target's vocabulary), stores the parsed config in
+    ``self.additional_config["recycling"]`` (a free-form dict vLLM hashes and ships to every
+    worker, config/vllm.py:421, 549-557) and replaces the dict with what vLLM's
+    ``custom_class`` branch takes (config/speculative.py:1131-1135, 1230-1241:
+    ``draft_model_config = target_model_config``). Other methods pass through untouched.
+    """
+
+    name = "translate_recycling_spec_config"
+
+    @staticmethod
+    def target():
+        from vllm.engine.arg_utils import EngineArgs
+
+        return EngineArgs, "create_speculative_config"
+
+    @staticmethod
+    def wrap(original):
+        def create_speculative_config(self, target_model_config, target_parallel_config):
+            spec = self.speculative_config
+            if isinstance(spec, dict) and spec.get("method") == "recycling":
+                translate_recycling_spec(self, target_model_config)
+            return original(self, target_model_config, target_parallel_config)
+
+        return create_speculative_config
+
+
+def translate_recycling_spec(engine_args: Any, target_model_config: Any) -> None:
+    """Validate ``engine_args.speculative_config`` (method "recycling") and rewrite it in place
+    for vLLM (see ``TranslateRecyclingSpecConfig``)."""
+    import vllm.envs as envs
+
+    from vllm_recycling.config import ADDITIONAL_CONFIG_KEY, RecyclingConfig, RecyclingConfigError
+
+    config = RecyclingConfig.from_dict(engine_args.speculative_config)
+    config.initial_matrix(target_model_config.get_vocab_size())  # fail now, not in a worker
+    if envs.VLLM_USE_V2_MODEL_RUNNER:
+        raise RecyclingConfigError(
+            "speculative method 'recycling' runs on vLLM's V1 model runner; unset "
+            "VLLM_USE_V2_MODEL_RUNNER (it is set to 1)"
+        )
+    extra = engine_args.additional_config
+    if extra is None:
+        extra = {}
+    if not isinstance(extra, dict):
+        raise RecyclingConfigError(
+            f"speculative method 'recycling' stores its settings in additional_config, which must "
+            f"be a dict; got {type(extra).__name__}"
+        )
+    if config.verify == "tree":
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cuda():
+            engine_settings(engine_args)  # TRITON_ATTN, piecewise CUDA graphs
+    engine_args.additional_config = {**extra, ADDITIONAL_CONFIG_KEY: config.to_dict()}
+    engine_args.speculative_config = {
+        "method": "custom_class",
+        "model": PROPOSER_CLASS,
+        "num_speculative_tokens": config.num_speculative_tokens,
+    }
+    logger.info(
+        "recycling: verify=%s, %d draft tokens per step (%s) from a %s top-%d adjacency matrix%s",
+        config.verify, config.num_speculative_tokens, config.draft_template().name,
+        config.matrix_scope, config.topk,
+        f" (snapshot {config.matrix_snapshot})" if config.matrix_snapshot else "",
+    )
+    if config.matrix_snapshot and not getattr(engine_args, "shutdown_timeout", 0):
+        # vLLM's default shutdown (timeout 0, engine/arg_utils.py:842) kills the engine
+        # process without running Worker.shutdown, so only the periodic saves happen.
+        logger.warning(
+            "recycling: the matrix snapshot is saved every %s s; to also save it when the "
+            "server stops, give vLLM a shutdown grace period (--shutdown-timeout 10)",
+            config.matrix_snapshot_interval,
+        )
+    if config.verify == "chain" and config.tree is not None:
+        logger.warning(
+            "recycling: tree %r is not used: verify='chain' drafts the top-1 chain", config.tree
+        )

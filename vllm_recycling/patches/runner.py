@@ -1,0 +1,239 @@
+"""The worker and its model runner: the step's inputs, the drafter's start-up, and where each
+step's drafts go."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_recycling.patches.base import DRAFTS_ATTR, MethodPatch, recycling_drafter
+from vllm_recycling.step import ACTIVE_TREE
+
+
+class TreePositions(MethodPatch):
+    """``GPUModelRunner._prepare_inputs`` (v1/worker/gpu_model_runner.py:1920-2247).
+
+    It lays every request's scheduled tokens out as a chain: positions
+    ``num_computed + query_pos`` (2135-2138), slots from those positions (2144-2148) and, with
+    speculation on, ``SpecDecodeMetadata`` whose ``num_draft_tokens`` lists each request's
+    drafts (2184-2226). For a recycling tree the wrapper plans the step's tree rows
+    (``tree_step.TreeStep``) and moves each node's position to prefix + depth, after the
+    slots were computed (so every node keeps its own slot) and before anything reads the
+    positions: the attention metadata (2397-2414) and the forward (3407, 4207), both later in
+    ``execute_model`` (4021-4023). It starts the step's record (``RecyclingProposer.begin_step``,
+    see ``step.py``) with the batch (the one ``propose`` gets later in the same step) and its
+    requests' sampling parameters, and publishes the tree rows for the attention layers
+    (``step.ACTIVE_TREE``); a step whose drafter is not ours clears them.
+    """
+
+    name = "tree_positions"
+
+    @staticmethod
+    def target():
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        return GPUModelRunner, "_prepare_inputs"
+
+    @staticmethod
+    def wrap(original):
+        def _prepare_inputs(self, scheduler_output, num_scheduled_tokens_np):
+            result = original(self, scheduler_output, num_scheduled_tokens_np)
+            drafter = recycling_drafter(self)
+            if drafter is None:
+                ACTIVE_TREE.publish(None)  # whatever the drafter: no layer reads a stale tree
+                return result
+            _, spec_decode_metadata, _ = result  # 1929-1930, returned at 2243-2247
+            batch, requests = self.input_batch, self.requests
+            num_reqs = batch.num_reqs
+            offsets = drafter.begin_step(
+                batch.req_ids,
+                lambda req_id: getattr(requests.get(req_id), "sampling_params", None),
+                None if spec_decode_metadata is None else spec_decode_metadata.num_draft_tokens,
+                self.query_start_loc.np[: num_reqs + 1],
+                batch.num_computed_tokens_cpu[:num_reqs],
+                batch.block_table.block_tables[0].slot_mapping.gpu,
+            )
+            if offsets is not None:
+                self.positions[: offsets.numel()] += offsets.to(self.positions.device)
+            return result
+
+        return _prepare_inputs
+
+
+class CheckDrafter(MethodPatch):
+    """``Worker.load_model`` (v1/worker/gpu_worker.py:587-594), inherited by ``CPUWorker``
+    (v1/worker/cpu_worker.py:32): the model runner was built (with its drafter,
+    v1/worker/gpu_model_runner.py:603-606) and has loaded the model.
+
+    Every other patch finds our drafter by ``isinstance(runner.drafter, RecyclingProposer)``
+    (``base.recycling_drafter``). If a vLLM ever wrapped or replaced the proposer that
+    ``custom_class`` builds, they would all stand idle and the engine would verify the tree's
+    nodes as one chain, silently. For an engine configured for method "recycling" (its
+    ``additional_config`` holds our settings) the wrapper refuses to start unless the runner
+    holds our drafter."""
+
+    name = "check_drafter"
+
+    @staticmethod
+    def target():
+        from vllm.v1.worker.gpu_worker import Worker
+
+        return Worker, "load_model"
+
+    @staticmethod
+    def wrap(original):
+        from vllm_recycling.config import ADDITIONAL_CONFIG_KEY
+
+        def load_model(self, *args, **kwargs):
+            result = original(self, *args, **kwargs)
+            extra = getattr(self.vllm_config, "additional_config", None) or {}
+            runner = getattr(self, "model_runner", None)
+            if ADDITIONAL_CONFIG_KEY in extra and recycling_drafter(runner) is None:
+                drafter = getattr(runner, "drafter", None)
+                raise RuntimeError(
+                    "vllm-recycling: the model runner was configured for method 'recycling' but "
+                    f"holds the drafter {type(drafter).__name__}, not RecyclingProposer; this "
+                    "vLLM builds proposers differently from 0.32, and tree verification would "
+                    "not run"
+                )
+            return result
+
+        return load_model
+
+
+class DraftsNearMaxModelLen(MethodPatch):
+    """``GPUModelRunner._input_fits_in_drafter`` (v1/worker/gpu_model_runner.py:4288-4301).
+
+    vLLM asks, every step, whether the longest sequence plus ``num_speculative_tokens`` fits
+    in the drafter's context (4380-4384), because a draft model runs that many positions past
+    it. When it does not, vLLM skips the drafter and hands every request of the batch
+    ``num_speculative_tokens`` zero drafts (4454-4462): with the default tree, 80 tokens of
+    token 0 per request, verified at full cost whatever the budget decided, and drafts that
+    ``budget: "auto"`` did not send (an engine crash before ``TreeStep.plan`` learnt to verify
+    unknown drafts as chains). The recycling drafter runs no model: it drafts nothing for a
+    request at ``max_model_len`` and the scheduler caps every request's scheduled tokens at
+    the context end (v1/core/sched/scheduler.py:714-720), so for it the input always fits.
+    """
+
+    name = "drafts_near_max_model_len"
+
+    @staticmethod
+    def target():
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        return GPUModelRunner, "_input_fits_in_drafter"
+
+    @staticmethod
+    def wrap(original):
+        def _input_fits_in_drafter(self, common_attn_metadata):
+            if recycling_drafter(self) is not None:
+                return True
+            return original(self, common_attn_metadata)
+
+        return _input_fits_in_drafter
+
+
+class SaveSnapshotAtShutdown(MethodPatch):
+    """``Worker.shutdown`` (v1/worker/gpu_worker.py:1606), inherited by ``CPUWorker``
+    (v1/worker/cpu_worker.py:32). Every executor calls it when the engine stops: the
+    in-process one (v1/executor/uniproc_executor.py:152-154) and each worker process of the
+    multiprocess one (v1/executor/multiproc_executor.py:823-828). The wrapper saves the matrix
+    snapshot first, when the drafter is ours and has one."""
+
+    name = "save_snapshot_at_shutdown"
+
+    @staticmethod
+    def target():
+        from vllm.v1.worker.gpu_worker import Worker
+
+        return Worker, "shutdown"
+
+    @staticmethod
+    def wrap(original):
+        def shutdown(self):
+            drafter = recycling_drafter(getattr(self, "model_runner", None))
+            if drafter is not None and drafter.config.matrix_snapshot is not None:
+                drafter.save_snapshot()
+            return original(self)
+
+        return shutdown
+
+
+class ProfileStepCost(MethodPatch):
+    """``CPUWorker.compile_or_warm_up_model`` (v1/worker/cpu_worker.py:264-277), called once
+    per worker after the KV cache exists (v1/executor/abstract.py ``initialize_from_config``)
+    and before any request. With ``budget="auto"`` the wrapper then times forward passes of a
+    range of token counts with the runner's own ``_dummy_run(num_tokens)``
+    (v1/worker/gpu_model_runner.py:5508-5523: eager here, no sampling, nothing written that a
+    request reads), each followed by the logits of the rows it returns (one per dummy request,
+    5922-5924: as many as a decode step's tokens; SmolLM2's 113 MB output matrix costs ~4 ms
+    per step on 2 CPU cores), and gives the proposer its step-cost profile
+    (``RecyclingProposer.profile_step_cost``)."""
+
+    name = "profile_step_cost"
+
+    @staticmethod
+    def target():
+        from vllm.v1.worker.cpu_worker import CPUWorker
+
+        return CPUWorker, "compile_or_warm_up_model"
+
+    @staticmethod
+    def wrap(original):
+        def compile_or_warm_up_model(self):
+            result = original(self)
+            runner = getattr(self, "model_runner", None)
+            drafter = recycling_drafter(runner)
+            if drafter is not None and drafter.budget is not None:
+
+                @torch.inference_mode()
+                def step(num_tokens: int):
+                    return runner.model.compute_logits(runner._dummy_run(num_tokens)[1])
+
+                drafter.profile_step_cost(step, runner.max_num_tokens)
+            return result
+
+        return compile_or_warm_up_model
+
+
+class DraftsWithSampledTokens(MethodPatch):
+    """``Worker.sample_tokens`` (v1/worker/gpu_worker.py:1293-1298), inherited by ``CPUWorker``
+    (v1/worker/cpu_worker.py:32).
+
+    Without async scheduling (which ``custom_class`` turns off) the engine core asks the
+    workers for the drafts with an RPC of their own after every step that ran the model,
+    ``take_draft_token_ids`` in ``EngineCore.post_step`` (v1/engine/core.py:689-697): a third
+    round trip per step, measured 1.9-2.6 ms per step on 2 CPU cores where the worker is a
+    process of its own. Our proposer has drafted by the end of ``sample_tokens``
+    (v1/worker/gpu_model_runner.py:4450-4452, 4778-4785), so this wrapper puts what that RPC
+    would return (``GPUModelRunner.take_draft_token_ids``, 4627-4630, which changes nothing)
+    on the step's ``ModelRunnerOutput`` (v1/outputs.py:266: a plain dataclass, pickled to the
+    engine core by the multiprocess executor, multiproc_executor.py:991-1008) as
+    ``DRAFTS_ATTR``. ``DraftsFromSampledOutput`` hands them to the scheduler and
+    ``SkipDraftRpc`` drops the RPC. vLLM's shared empty output (outputs.py:309-317) is left
+    alone: a step that returns it falls back to the RPC.
+    """
+
+    name = "drafts_with_sampled_tokens"
+
+    @staticmethod
+    def target():
+        from vllm.v1.worker.gpu_worker import Worker
+
+        return Worker, "sample_tokens"
+
+    @staticmethod
+    def wrap(original):
+        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+
+        def sample_tokens(self, grammar_output):
+            output = original(self, grammar_output)
+            runner = self.model_runner
+            if (
+                recycling_drafter(runner) is not None
+                and type(output) is ModelRunnerOutput
+                and output is not EMPTY_MODEL_RUNNER_OUTPUT
+            ):
+                setattr(output, DRAFTS_ATTR, (runner.take_draft_token_ids(),))
+            return output
+
+        return sample_tokens

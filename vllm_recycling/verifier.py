@@ -1,0 +1,142 @@
+"""Owns tree mode's work in a step (``verify: "tree"``): the tree rows of the step before the
+forward, then each tree request's path verified by vLLM's rejection sampler and the accepted
+nodes' KV moved to their positions after it.
+
+The pieces are pure PyTorch (``tree_step``, ``paths``, ``cpu_attention``); this class applies
+them to what the patches hand over from vLLM's model runner. It uses vLLM's own types only
+where it feeds vLLM's rejection sampler (``SpecDecodeMetadata``, ``SamplingMetadata``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable
+
+import numpy as np
+import torch
+
+from vllm_recycling import cpu_attention, triton_path
+from vllm_recycling.paths import ChainPlan, choose_paths, draft_probabilities
+from vllm_recycling.support import check_tree_support
+from vllm_recycling.transfer import to_device
+from vllm_recycling.tree import TreeTemplate
+from vllm_recycling.tree_step import TreeLayout, TreeStep
+
+
+class TreeVerifier:
+    """template: the draft template (its nodes are what requests are sent subsets of)."""
+
+    def __init__(self, template: TreeTemplate, device: torch.device) -> None:
+        self.layout = TreeLayout.from_template(template, device)
+        self.device = device
+        self.attention = "cpu"  # the attention the tree pass runs on, from check_support
+
+    def check_support(self, vllm_config, model) -> None:
+        """At start-up: refuse a set-up tree verification cannot serve exactly
+        (``support.check_tree_support``), else note the attention it runs on."""
+        self.attention = check_tree_support(vllm_config, model)
+
+    def plan(
+        self,
+        num_draft_tokens: list[int],
+        query_start_loc: np.ndarray,
+        num_computed_tokens: np.ndarray,
+        nodes: list[np.ndarray | None] | None,
+    ) -> TreeStep | None:
+        """The step's tree rows (``TreeStep.plan``; None when no request has a branching tree).
+        nodes: per request, the template nodes it was sent (None: the template's first ones)."""
+        return TreeStep.plan(
+            self.layout, np.asarray(num_draft_tokens), query_start_loc, num_computed_tokens,
+            self.device, nodes,
+        )
+
+    def verify(
+        self,
+        tree: TreeStep,
+        slot_mapping: torch.Tensor,
+        logits: torch.Tensor,
+        tokens: torch.Tensor,
+        spec_decode_metadata,
+        sampling_metadata,
+        rejection_sampler: Callable,
+        kv_caches: list[torch.Tensor],
+    ):
+        """The step's ``SamplerOutput`` and each tree request's path [R, D] (on the device).
+
+        logits [sum(N) + B, V] and tokens [sum(N) + B] (the token fed at each row: per request,
+        in batch order, the root row then one row per scheduled draft); spec_decode_metadata:
+        vLLM's chain layout of the step; sampling_metadata: the batch's ``SamplingMetadata``;
+        rejection_sampler: vLLM's ``RejectionSampler``; kv_caches: every attention layer's
+        cache, where the accepted nodes' keys and values move to their positions (slot_mapping
+        [>= num_tokens]: the step's slots)."""
+        from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+        num_draft = np.asarray(spec_decode_metadata.num_draft_tokens, dtype=np.int64)
+        logits_start = np.cumsum(num_draft + 1) - (num_draft + 1)
+        device = logits.device
+        starts = to_device(logits_start[tree.req_index_np], torch.int64, device)
+        temperature = None
+        if not sampling_metadata.all_greedy:  # sampled requests walk their trees by draws
+            temperature = sampling_metadata.temperature[tree.req_index]  # greedy rows: 0, one-hot drafts
+        if temperature is None:
+            path = choose_paths(tree, logits, tokens, starts)
+        else:
+            path, q, q_tokens = choose_paths(
+                tree, logits, tokens, starts, temperature,
+                _path_uniforms(tree.req_index_np, self.layout.max_depth, sampling_metadata, device),
+            )
+        plan = ChainPlan.build(tree, path, num_draft, logits_start, device)
+        chain = SpecDecodeMetadata(
+            draft_token_ids=plan.draft_tokens(tokens),
+            num_draft_tokens=plan.num_draft_tokens,
+            cu_num_draft_tokens=plan.cu_num_draft_tokens,
+            cu_num_sampled_tokens=plan.cu_num_sampled_tokens,
+            target_logits_indices=plan.target_logits_indices,
+            bonus_logits_indices=plan.bonus_logits_indices,
+            logits_indices=spec_decode_metadata.logits_indices[plan.rows],
+        )
+        draft_probs = None
+        if temperature is not None:
+            draft_probs = draft_probabilities(
+                plan, tree, chain.draft_token_ids, q, q_tokens, logits.shape[1]
+            )
+        sampling = _with_path_history(sampling_metadata, tokens, plan)
+        output = rejection_sampler(chain, draft_probs, logits[plan.rows], sampling)
+        src, dst = plan.compaction(tree, output.sampled_token_ids, slot_mapping)
+        move = cpu_attention.move_slots if self.attention == "cpu" else triton_path.move_slots
+        for kv_cache in kv_caches:
+            move(kv_cache, src, dst)
+        return output, plan.path
+
+
+def _path_uniforms(req_index: np.ndarray, depth: int, sampling, device) -> torch.Tensor:
+    """[R, depth] uniforms for the sampled walks of the tree requests ``req_index`` (batch
+    indices): from each seeded request's own generator (``sampling.generators``, as vLLM's
+    samplers draw), so that seeded requests repeat; from the global one otherwise."""
+    uniform = torch.rand((len(req_index), depth), device=device)
+    if sampling.generators:
+        position = {int(b): r for r, b in enumerate(req_index)}
+        for b, generator in sampling.generators.items():  # seeded requests only, as vLLM does
+            r = position.get(int(b))
+            if r is not None:
+                uniform[r] = torch.rand(depth, device=device, generator=generator)
+    return uniform
+
+
+def _with_path_history(sampling, tokens: torch.Tensor, plan: ChainPlan):
+    """vLLM's ``SamplingMetadata`` (v1/sample/metadata.py:15-55) for the chosen paths.
+    Penalties, bad words and thinking budgets read each draft's history as output + drafts
+    before it (rejection_sampler.py:313-322, 393-407), from ``spec_token_ids``, which holds the
+    scheduled tree: give them the path instead."""
+    holder = sampling.thinking_budget_state_holder
+    if (
+        sampling.no_penalties
+        and not sampling.bad_words_token_ids
+        and (holder is None or not holder.has_tracked_requests())
+    ):
+        return sampling
+    path_tokens = plan.draft_tokens(tokens).clamp(min=0).tolist()  # padding: any token
+    bounds = np.cumsum([0] + plan.num_draft_tokens).tolist()
+    return replace(
+        sampling, spec_token_ids=[path_tokens[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    )

@@ -1,17 +1,31 @@
+"""The acceptance rule the plugin and the reference decoder share (``paths.choose_paths``, then
+the chain verified as vLLM's rejection sampler does: ``tools.accept``), exactly for greedy
+requests and by its output distribution for sampled ones."""
+
 import math
 
 import pytest
 import torch
 
-from vllm_recycling.tools.accept import accept, apply_top_k_top_p, sample_from_logits
 from vllm_recycling.kernels.draft_tree import draft_tree as draft_tokens
-from vllm_recycling.tree import compile_tree, load_tree
+from vllm_recycling.tools import accept as accept_module
+from vllm_recycling.tools.accept import accept_tree, apply_top_k_top_p, verify_chain
+from vllm_recycling.tree import compile_tree
+from vllm_recycling.tree_step import TreeLayout
 
 # nodes: 0 root, 1 [0], 2 [1], 3 [0,0], 4 [0,1], 5 [1,0], 6 [0,0,0]
 TREE = compile_tree([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]], topk=2)
+LAYOUT = TreeLayout.from_template(TREE, "cpu")
 
 
-def test_greedy_longest_path_exact():
+def _logits(targets: torch.Tensor, vocab: int = 128) -> torch.Tensor:
+    """Rows [B * M, V] whose argmax is each node's target token (others below it by id)."""
+    rows = -torch.arange(vocab, dtype=torch.float32).repeat(targets.numel(), 1) / vocab
+    rows[torch.arange(targets.numel()), targets.reshape(-1)] = 10.0
+    return rows
+
+
+def test_greedy_accepts_the_argmax_chain():
     tokens = torch.tensor([
         [10, 11, 12, 13, 14, 15, 16],
         [10, 11, 12, 13, 14, 15, 16],
@@ -22,38 +36,40 @@ def test_greedy_longest_path_exact():
         [12, 14, 15, 77, 78, 79, 80],  # 12 -> 15, bonus 79
         [50, 51, 52, 53, 54, 55, 56],  # nothing; correction 50
     ])
-    out = accept(TREE, tokens, target, greedy=True)
+    out = accept_tree(LAYOUT, tokens, _logits(target))
     assert out.num_accepted.tolist() == [3, 2, 0]
     assert out.nodes.tolist() == [[0, 1, 3, 6], [0, 2, 5, -1], [0, -1, -1, -1]]
-    assert out.next_token.tolist() == [42, 79, 50]
     assert out.output_tokens.tolist() == [[11, 13, 16, 42], [12, 15, 79, -1], [50, -1, -1, -1]]
 
 
-def test_equal_depth_first_in_breadth_first_order():
-    tokens = torch.tensor([[10, 11, 11, 13, 14, 13, 16]])  # [0] and [1] both hold 11
-    target = torch.tensor([[11, 13, 13, 7, 8, 9, 5]])
-    out = accept(TREE, tokens, target, greedy=True)
-    assert out.nodes.tolist() == [[0, 1, 3, -1]] and out.output_tokens.tolist() == [[11, 13, 7, -1]]
-
-
-def test_duplicate_siblings_greedy_takes_deepest_sampled_takes_first():
-    # [0] and [1] both hold 11; only the subtree of [1] continues to match
+def test_duplicate_siblings_the_lower_rank_wins():
+    # [0] and [1] both hold 11; only the subtree of [1] would continue to match. The walk takes
+    # the child holding the argmax, the lower rank among equals, as the plugin does in vLLM.
     tokens = torch.tensor([[10, 11, 11, 20, 21, 13, 30]])
     target = torch.tensor([[11, 99, 13, 0, 0, 44, 0]])
-    greedy = accept(TREE, tokens, target, greedy=True)
-    assert greedy.output_tokens.tolist() == [[11, 13, 44, -1]]
-    sampled = accept(TREE, tokens, target, greedy=False)
-    assert sampled.output_tokens.tolist() == [[11, 99, -1, -1]]
-    mixed = accept(TREE, tokens.repeat(2, 1), target.repeat(2, 1), greedy=torch.tensor([False, True]))
-    assert mixed.num_accepted.tolist() == [1, 2]
+    out = accept_tree(LAYOUT, tokens, _logits(target))
+    assert out.output_tokens.tolist() == [[11, 99, -1, -1]] and out.nodes.tolist() == [[0, 1, -1, -1]]
 
 
-def test_empty_batch_and_one_node_tree():
-    out = accept(TREE, torch.empty(0, 7, dtype=torch.int64), torch.empty(0, 7, dtype=torch.int64), True)
-    assert out.output_tokens.shape == (0, 4)
-    one = compile_tree([[0]], topk=1)
-    out = accept(one, torch.tensor([[5, 6], [5, 6]]), torch.tensor([[6, 7], [1, 2]]), True)
+def test_chain_template_and_one_node_tree():
+    chain = TreeLayout.from_template(compile_tree([[0], [0, 0]], topk=1), "cpu")
+    tokens = torch.tensor([[5, 6, 7], [5, 6, 7]])
+    out = accept_tree(chain, tokens, _logits(torch.tensor([[6, 7, 8], [6, 1, 2]])))
+    assert out.output_tokens.tolist() == [[6, 7, 8], [6, 1, -1]]
+    one = TreeLayout.from_template(compile_tree([[0]], topk=1), "cpu")
+    out = accept_tree(one, torch.tensor([[5, 6], [5, 6]]), _logits(torch.tensor([[6, 7], [1, 2]])))
     assert out.output_tokens.tolist() == [[6, 7], [1, -1]]
+
+
+def test_verify_chain_rejects_padding_and_unknown_draws():
+    """A padding draft (-1) and a sampled draft with no draft probability are rejected; greedy
+    drafts are accepted only as the argmax."""
+    logits = _logits(torch.tensor([[3, 4, 5], [3, 4, 5]])).view(2, 3, -1)
+    greedy = verify_chain(torch.tensor([[3, -1], [3, 4]]), logits)
+    assert greedy[0].tolist() == [1, 2] and greedy[1].tolist() == [[3, 4, -1], [3, 4, 5]]
+    gen = torch.Generator().manual_seed(0)
+    sampled = verify_chain(torch.tensor([[3, 4]]), logits[:1] * 100, torch.tensor([1.0]), generator=gen)
+    assert sampled[0].tolist() == [0] and sampled[1].tolist() == [[3, -1, -1]]  # p is one-hot on 3
 
 
 def test_top_k_top_p_masks_like_vllm():
@@ -66,41 +82,31 @@ def test_top_k_top_p_masks_like_vllm():
     assert not torch.isinf(apply_top_k_top_p(logits, None, torch.tensor([0.01, 0.01]))).all(-1).any()
 
 
-def test_sample_greedy_rows_are_argmax():
-    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 0.0]])
-    out = sample_from_logits(logits, torch.tensor([0.0, 0.0]))
-    assert out.tolist() == [1, 0]
-
-
-# --- Monte Carlo: the sampled acceptance rule keeps the target distribution -----------------
+# --- Monte Carlo: the sampled rule keeps the target distribution ---------------------------
 V = 4
 SEQ = 3  # compare the joint distribution of the first three generated tokens: 64 cells
 
 
-def _target_logits(prev: torch.Tensor, last: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    return table[prev, last]
-
-
-def _run(rule_greedy: bool, temperature: float, top_k, top_p, samples: int, seed: int):
+def _run(temperature: float, top_k, top_p, samples: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     table = torch.randn(V, V, V, generator=torch.Generator().manual_seed(1)) * 1.5
     # duplicate siblings with different subtrees: row t = [t+1, t+1, t+2, t+3]
     adj = torch.stack([(torch.arange(V) + d) % V for d in (1, 1, 2, 3)], 1).int()
     tree = compile_tree([[0], [1], [2], [0, 0], [1, 2], [1, 3], [0, 0, 0]], topk=4)
+    layout = TreeLayout.from_template(tree, "cpu")
     hist = torch.zeros(samples, 2 + SEQ * (tree.max_depth + 1), dtype=torch.int64)
     hist[:, 0], hist[:, 1] = 2, 0  # the prompt
     count = torch.full((samples,), 2)
     rows = torch.arange(samples)
-    temp = torch.full((samples * (tree.num_nodes + 1),), temperature)
-    tk = None if top_k is None else torch.full_like(temp, top_k, dtype=torch.int64)
-    tp = None if top_p is None else torch.full_like(temp, top_p)
+    temp = torch.full((samples,), temperature)
+    tk = None if top_k is None else torch.full((samples,), top_k, dtype=torch.int64)
+    tp = None if top_p is None else torch.full((samples,), top_p)
     while (count < 2 + SEQ).any():
         roots = hist[rows, count - 1]
         tokens = draft_tokens(adj, roots, tree).long()
         prev = torch.cat([hist[rows, count - 2][:, None], tokens[:, tree.parent[1:]]], 1)
-        logits = _target_logits(prev, tokens, table).view(-1, V)
-        target = sample_from_logits(logits, temp, tk, tp, gen).view(samples, -1)
-        out = accept(tree, tokens, target, greedy=rule_greedy)
+        logits = table[prev, tokens].view(-1, V)
+        out = accept_tree(layout, tokens, logits, temp, tk, tp, gen)
         n = out.num_accepted + 1
         for j in range(out.output_tokens.shape[1]):  # depth levels, not nodes
             write = j < n
@@ -127,7 +133,7 @@ def _chi_square_critical(df: int, z: float = 3.09) -> float:
 
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, None, None), (0.8, 3, 0.9)])
 def test_sampled_acceptance_keeps_target_distribution(temperature, top_k, top_p):
-    observed, expected = _run(False, temperature, top_k, top_p, samples=40000, seed=0)
+    observed, expected = _run(temperature, top_k, top_p, samples=40000, seed=0)
     possible = expected > 0
     assert observed[~possible].sum() == 0  # nothing the processed target rules out
     chi2 = float(((observed - expected)[possible] ** 2 / expected[possible]).sum())
@@ -136,8 +142,16 @@ def test_sampled_acceptance_keeps_target_distribution(temperature, top_k, top_p)
     assert tv < 0.02
 
 
-def test_taking_the_deeper_duplicate_is_biased():
-    # The same statistic rejects the rule that picks the deepest of duplicate siblings.
-    observed, expected = _run(True, 1.0, None, None, samples=40000, seed=0)
+def test_a_biased_walk_fails_the_same_test(monkeypatch):
+    """The statistic has power: walking to a child drawn almost uniformly (q at temperature x 100)
+    while claiming draft probabilities that make every drafted child accepted is rejected."""
+    choose = accept_module.choose_paths
+
+    def biased(step, logits, tokens, starts, temperature=None, uniform=None):
+        path, q, q_tokens = choose(step, logits, tokens, starts, temperature * 100, uniform)
+        return path, q * 1e-3, q_tokens
+
+    monkeypatch.setattr(accept_module, "choose_paths", biased)
+    observed, expected = _run(1.0, None, None, samples=40000, seed=0)
     chi2 = float(((observed - expected) ** 2 / expected).sum())
     assert chi2 > 10 * _chi_square_critical(V**SEQ - 1)

@@ -69,7 +69,7 @@ def test_register_applies_every_patch_once():
     assert len(fixes) == 3 and all(p.wanted() == current_platform.is_cpu() for p in fixes)
     assert patches.apply_all() == []
     for patch in wanted:
-        owner, attr = patch.target()
+        owner, attr = patch.owner_and_attr()
         # one wrapper around vLLM's own function, not a wrapper around a wrapper
         assert not hasattr(owner.__dict__[attr].__wrapped__, _MARK)
 
@@ -140,22 +140,6 @@ def test_register_on_other_vllm_stays_inactive_and_refuses_only_recycling(monkey
     for spec in (None, {"method": "ngram", "num_speculative_tokens": 2}, {"model": "recycling"}):
         args = SimpleNamespace(speculative_config=spec)
         assert guard(args, "model", "parallel") == ("vllm", spec, "model", "parallel")
-
-
-def test_expand_batch_to_tokens_on_cpu_is_exact():
-    """vLLM 0.32's CPU expansion leaves its output uninitialised (patches.ExpandOnCPU)."""
-    import torch
-    from vllm.v1.sample import rejection_sampler
-
-    plugin.register()
-    cu = torch.tensor([2, 5, 5, 6], dtype=torch.int32)
-    temperature = torch.tensor([0.7, -1.0, 1.3, 0.0])
-    out = rejection_sampler.expand_batch_to_tokens(temperature, cu, 6, replace_from=-1.0, replace_to=1)
-    assert out.dtype == torch.float32
-    assert out.tolist() == pytest.approx([0.7, 0.7, 1.0, 1.0, 1.0, 0.0])
-    top_k = torch.tensor([5, 0, 7, 9], dtype=torch.int32)
-    out = rejection_sampler.expand_batch_to_tokens(top_k, cu, 6)
-    assert out.dtype == torch.int32 and out.tolist() == [5, 5, 0, 0, 0, 9]
 
 
 # -- the proposer on its own (no engine) ---------------------------------------------------------
@@ -520,3 +504,22 @@ def test_snapshot_saved_every_interval(tmp_path, monkeypatch):
     clock[0] += 300.0  # the default interval
     proposer.propose([[3]], np.array([5]), None)
     assert path.exists()
+
+
+def test_check_drafter_refuses_a_runner_without_ours():
+    """Every seam finds the drafter by its type: a recycling engine whose runner holds another
+    (a vLLM that wraps proposers) must not start with every patch idle."""
+    from types import SimpleNamespace
+
+    from vllm_recycling.patches.runner import CheckDrafter
+
+    load_model = CheckDrafter.wrap(lambda worker, *args, **kwargs: "loaded")
+    recycling = SimpleNamespace(additional_config={"recycling": {}})
+
+    def worker(config, drafter):
+        return SimpleNamespace(vllm_config=config, model_runner=SimpleNamespace(drafter=drafter))
+
+    with pytest.raises(RuntimeError, match="holds the drafter Wrapper, not RecyclingProposer"):
+        load_model(worker(recycling, type("Wrapper", (), {})()))
+    assert load_model(worker(recycling, make_proposer("shared"))) == "loaded"
+    assert load_model(worker(SimpleNamespace(additional_config=None), None)) == "loaded"

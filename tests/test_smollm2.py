@@ -3,9 +3,9 @@
 - vLLM with recycling: greedy output identical to vLLM without speculation, at batch 1 (one
   prompt at a time, the matrix kept across them) and batch 8, for the default tree; at batch 8
   for a small tree and for chain mode;
-- the reference decoder (plain transformers, the algorithm's oracle): greedy output equal to
-  ``generate``, and its tokens per tree step equal to vLLM's mean acceptance length on the same
-  prompts in the same order.
+- the reference decoder (plain transformers, the algorithm's oracle, accepting by the plugin's
+  own rule): greedy output equal to ``generate``, and exactly vLLM's drafts and accepted tokens
+  on the same prompts in the same order.
 
 Every run happens once, in module fixtures, and each test reads what it needs.
 """
@@ -30,9 +30,6 @@ MODES = {  # mode -> (speculative_config, batch sizes it runs at)
 # is above ~0.02 per request (a few per step at batch 1, fewer at 8) whatever the machine: with
 # the cost it learns, a slow 2-core machine may find no draft worth sending.
 AUTO_TOKEN_COST = 0.02
-# vLLM's MAT against the reference decoder's: both run the same algorithm on the same outputs,
-# but where two siblings hold the same token vLLM takes the first and the reference the deepest.
-MAT_TOLERANCE = 0.03
 
 # The first test of the module pays for the `runs` fixture: six engines, two of them verifying
 # the whole 80-node tree. On a slow 2-core machine that came within reach of the suite's 600 s
@@ -124,16 +121,19 @@ def test_reference_decoder_equals_generate(hf_model, prompts, reference):
     assert sum(steps) / len(steps) > 1.5  # the tree really accepts drafts, not only bonus tokens
 
 
-def test_mat_matches_the_reference_decoder(runs, reference):
-    """vLLM's mean acceptance length (1 + accepted / drafts) at batch 1 for the default tree,
-    against the reference decoder's tokens per tree step on the same prompts in the same order."""
+def test_reference_decoder_accepts_as_vllm(runs, reference):
+    """The reference decoder is the oracle: on the same prompts in the same order, with the
+    default tree verified whole at batch 1, it makes exactly vLLM's tree steps and accepts
+    exactly vLLM's tokens (the same drafting, update and acceptance rule; the two models'
+    float32 logits agree far beyond the matrix's top-k ranks here)."""
     steps = [s for got in reference for s in got.tokens_per_step]
-    ours_mat = 1 + (c := runs["2.2.2", 1, "counters"])["accepted"] / c["drafts"]
-    ref_mat = sum(steps) / len(steps)
+    c = runs["2.2.2", 1, "counters"]
     same = sum(got.tokens == vllm for got, vllm in zip(reference, runs["2.2.2", 1]))
-    print(f"\nMAT 2.2.2 batch 1: vLLM {ours_mat:.3f} ({c['drafts']} steps), reference {ref_mat:.3f} "
-          f"({len(steps)} steps); outputs equal on {same}/{len(reference)} prompts")
-    assert abs(ours_mat - ref_mat) <= MAT_TOLERANCE * ref_mat
+    print(f"\n2.2.2 batch 1: vLLM {c['drafts']} steps, {c['accepted']} accepted; reference "
+          f"{len(steps)} steps, {sum(steps) - len(steps)} accepted; outputs equal on "
+          f"{same}/{len(reference)} prompts")
+    assert same == len(reference)
+    assert (c["drafts"], c["accepted"]) == (len(steps), sum(steps) - len(steps))
 
 
 def test_checkpoint_from_the_cli(smollm2_model, hf_model):
@@ -177,25 +177,16 @@ needs_cuda = pytest.mark.skipif(
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_chain_greedy_identical(smollm2_model, prompts):
-    """On a GPU install: chain mode against no speculation (bf16 and batch 8 as users run it)."""
+@pytest.mark.parametrize("mode", ["chain6", "2.2.2", "auto"])
+def test_gpu_greedy_identical(smollm2_model, prompts, mode):
+    """On a GPU install: chain mode and tree mode (TRITON_ATTN, piecewise CUDA graphs, the tree
+    kernel) against no speculation, at batch 8."""
     from vllm import SamplingParams
 
     greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=2)
     inputs = [{"prompt_token_ids": p} for p in prompts]
     with engine(smollm2_model, max_num_seqs=MAX_SEQS) as llm:
         base = llm.generate(inputs, greedy, use_tqdm=False)
-    with engine(smollm2_model, max_num_seqs=MAX_SEQS, speculative_config=MODES["chain6"][0]) as llm:
+    with engine(smollm2_model, max_num_seqs=MAX_SEQS, speculative_config=MODES[mode][0]) as llm:
         out = token_ids(llm.generate(inputs, greedy, use_tqdm=False))
     assert len(check_greedy_identity(base, out)["near_ties"]) <= 1
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_gpu_tree_refused_at_start_up(smollm2_model):
-    from vllm_recycling.config import RecyclingConfigError
-
-    with pytest.raises(Exception) as e:
-        with engine(smollm2_model, speculative_config=MODES["2.2.2"][0]):
-            pass
-    assert isinstance(e.value, RecyclingConfigError) or "verify='tree' is not available" in str(e.value)

@@ -30,13 +30,7 @@ class TreeAttentionCPU(MethodPatch):
     already written this step's keys and values to the node slots.
     """
 
-    name = "tree_attention_cpu"
-
-    @staticmethod
-    def target():
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
-
-        return CPUAttentionBackendImpl, "forward"
+    target = "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward"
 
     @staticmethod
     def wrap(original):
@@ -66,19 +60,13 @@ class TreeAttentionTriton(MethodPatch):
     only outside CUDA graphs, which ``check_tree_support`` makes sure of (PIECEWISE or none).
     """
 
-    name = "tree_attention_triton"
+    target = "vllm.v1.attention.backends.triton_attn:TritonAttentionImpl.forward"
 
     @staticmethod
     def wanted():
         from vllm.platforms import current_platform
 
         return current_platform.is_cuda() or requested_on_cpu()
-
-    @staticmethod
-    def target():
-        from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
-
-        return TritonAttentionImpl, "forward"
 
     @staticmethod
     def wrap(original):

@@ -4,7 +4,9 @@ and how a patch finds the recycling drafter of a model runner."""
 from __future__ import annotations
 
 import functools
-from typing import Callable
+import importlib
+import re
+from typing import Any, Callable
 
 from vllm_recycling.proposer import RecyclingProposer
 
@@ -15,13 +17,18 @@ DRAFTS_ATTR = "recycling_draft_token_ids"
 
 
 class MethodPatch:
-    """Wraps ``owner.attr`` once: ``wrap(original)`` returns the replacement."""
+    """Wraps one function of vLLM once: ``wrap(original)`` returns the replacement.
 
+    target: ``"module:Owner.attr"`` (a class's method) or ``"module:function"`` (a module's
+    function), imported only when the patch is applied. name: the class name in snake case,
+    marked on the wrapper so that a second ``apply`` is a no-op."""
+
+    target: str
     name: str
 
-    @staticmethod
-    def target() -> tuple[type, str]:
-        raise NotImplementedError
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.name = re.sub(r"(?<=[a-z])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", cls.__name__).lower()
 
     @staticmethod
     def wrap(original: Callable) -> Callable:
@@ -33,17 +40,26 @@ class MethodPatch:
         return True
 
     @classmethod
+    def owner_and_attr(cls) -> tuple[Any, str]:
+        """The class (or module) holding the target, and the attribute's name."""
+        module, _, path = cls.target.partition(":")
+        owner: Any = importlib.import_module(module)
+        *owners, attr = path.split(".")
+        for name in owners:
+            owner = getattr(owner, name)
+        return owner, attr
+
+    @classmethod
     def apply(cls) -> bool:
         """Install the wrapper; False if it was already installed or is not wanted here."""
         if not cls.wanted():
             return False
-        owner, attr = cls.target()
+        owner, attr = cls.owner_and_attr()
         current = owner.__dict__.get(attr)
         if current is None:
             raise RuntimeError(
-                f"vllm-recycling patch {cls.name}: "
-                f"{getattr(owner, '__qualname__', getattr(owner, '__name__', owner))}.{attr} "
-                "is missing; this vLLM is not the 0.32 the plugin was written for"
+                f"vllm-recycling patch {cls.name}: {cls.target} is missing; this vLLM is not the "
+                "0.32 the plugin was written for"
             )
         if getattr(current, _MARK, None) == cls.name:
             return False
@@ -54,7 +70,7 @@ class MethodPatch:
 
     @classmethod
     def is_applied(cls) -> bool:
-        owner, attr = cls.target()
+        owner, attr = cls.owner_and_attr()
         return getattr(owner.__dict__.get(attr), _MARK, None) == cls.name
 
 

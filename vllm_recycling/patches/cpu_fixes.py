@@ -42,13 +42,7 @@ class ExpandOnCPU(CpuOnly):
     ``repeat_interleave``.
     """
 
-    name = "expand_on_cpu"
-
-    @staticmethod
-    def target():
-        from vllm.v1.sample import rejection_sampler
-
-        return rejection_sampler, "expand_batch_to_tokens"
+    target = "vllm.v1.sample.rejection_sampler:expand_batch_to_tokens"
 
     @staticmethod
     def wrap(original):
@@ -75,13 +69,7 @@ class ConstraintsWithoutDrafts(CpuOnly):
     With no rows there is nothing to constrain: the wrapper returns them as they are.
     """
 
-    name = "constraints_without_drafts"
-
-    @staticmethod
-    def target():
-        from vllm.v1.sample import rejection_sampler
-
-        return rejection_sampler, "apply_sampling_constraints"
+    target = "vllm.v1.sample.rejection_sampler:apply_sampling_constraints"
 
     @staticmethod
     def wrap(original):
@@ -111,13 +99,7 @@ class SeededChunkedPrefillOnCPU(CpuOnly):
     state it had before, so seeded requests repeat as they do on a GPU.
     """
 
-    name = "seeded_chunked_prefill_on_cpu"
-
-    @staticmethod
-    def target():
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-        return GPUModelRunner, "sample_tokens"
+    target = "vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens"
 
     @staticmethod
     def wrap(original):

@@ -37,13 +37,7 @@ class TranslateRecyclingSpecConfig(MethodPatch):
     ``draft_model_config = target_model_config``). Other methods pass through untouched.
     """
 
-    name = "translate_recycling_spec_config"
-
-    @staticmethod
-    def target():
-        from vllm.engine.arg_utils import EngineArgs
-
-        return EngineArgs, "create_speculative_config"
+    target = "vllm.engine.arg_utils:EngineArgs.create_speculative_config"
 
     @staticmethod
     def wrap(original):

@@ -25,13 +25,7 @@ class TreePositions(MethodPatch):
     (``step.ACTIVE_TREE``); a step whose drafter is not ours clears them.
     """
 
-    name = "tree_positions"
-
-    @staticmethod
-    def target():
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-        return GPUModelRunner, "_prepare_inputs"
+    target = "vllm.v1.worker.gpu_model_runner:GPUModelRunner._prepare_inputs"
 
     @staticmethod
     def wrap(original):
@@ -71,13 +65,7 @@ class CheckDrafter(MethodPatch):
     ``additional_config`` holds our settings) the wrapper refuses to start unless the runner
     holds our drafter."""
 
-    name = "check_drafter"
-
-    @staticmethod
-    def target():
-        from vllm.v1.worker.gpu_worker import Worker
-
-        return Worker, "load_model"
+    target = "vllm.v1.worker.gpu_worker:Worker.load_model"
 
     @staticmethod
     def wrap(original):
@@ -114,13 +102,7 @@ class DraftsNearMaxModelLen(MethodPatch):
     the context end (v1/core/sched/scheduler.py:714-720), so for it the input always fits.
     """
 
-    name = "drafts_near_max_model_len"
-
-    @staticmethod
-    def target():
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-        return GPUModelRunner, "_input_fits_in_drafter"
+    target = "vllm.v1.worker.gpu_model_runner:GPUModelRunner._input_fits_in_drafter"
 
     @staticmethod
     def wrap(original):
@@ -139,13 +121,7 @@ class SaveSnapshotAtShutdown(MethodPatch):
     multiprocess one (v1/executor/multiproc_executor.py:823-828). The wrapper saves the matrix
     snapshot first, when the drafter is ours and has one."""
 
-    name = "save_snapshot_at_shutdown"
-
-    @staticmethod
-    def target():
-        from vllm.v1.worker.gpu_worker import Worker
-
-        return Worker, "shutdown"
+    target = "vllm.v1.worker.gpu_worker:Worker.shutdown"
 
     @staticmethod
     def wrap(original):
@@ -169,13 +145,7 @@ class ProfileStepCost(MethodPatch):
     per step on 2 CPU cores), and gives the proposer its step-cost profile
     (``RecyclingProposer.profile_step_cost``)."""
 
-    name = "profile_step_cost"
-
-    @staticmethod
-    def target():
-        from vllm.v1.worker.cpu_worker import CPUWorker
-
-        return CPUWorker, "compile_or_warm_up_model"
+    target = "vllm.v1.worker.cpu_worker:CPUWorker.compile_or_warm_up_model"
 
     @staticmethod
     def wrap(original):
@@ -213,13 +183,7 @@ class DraftsWithSampledTokens(MethodPatch):
     alone: a step that returns it falls back to the RPC.
     """
 
-    name = "drafts_with_sampled_tokens"
-
-    @staticmethod
-    def target():
-        from vllm.v1.worker.gpu_worker import Worker
-
-        return Worker, "sample_tokens"
+    target = "vllm.v1.worker.gpu_worker:Worker.sample_tokens"
 
     @staticmethod
     def wrap(original):

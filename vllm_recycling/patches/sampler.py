@@ -42,13 +42,7 @@ class VerifyTree(MethodPatch):
     column, so bookkeeping takes the path of no speculative tokens (3517-3525).
     """
 
-    name = "verify_tree"
-
-    @staticmethod
-    def target():
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-        return GPUModelRunner, "_sample"
+    target = "vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample"
 
     @staticmethod
     def wrap(original):

@@ -23,13 +23,7 @@ class TagCacheSalt(MethodPatch):
     ``SamplingParams`` that callers share across prompts untouched.
     """
 
-    name = "tag_cache_salt"
-
-    @staticmethod
-    def target():
-        from vllm.v1.request import Request
-
-        return Request, "__init__"
+    target = "vllm.v1.request:Request.__init__"
 
     @staticmethod
     def wrap(original):
@@ -62,13 +56,7 @@ class DraftsFromSampledOutput(MethodPatch):
     in the order ``post_step`` would have (it runs after ``step``), and tells ``SkipDraftRpc``
     that this step's drafts arrived."""
 
-    name = "drafts_from_sampled_output"
-
-    @staticmethod
-    def target():
-        from vllm.v1.core.sched.scheduler import Scheduler
-
-        return Scheduler, "update_from_output"
+    target = "vllm.v1.core.sched.scheduler:Scheduler.update_from_output"
 
     @staticmethod
     def wrap(original):
@@ -92,13 +80,7 @@ class SkipDraftRpc(MethodPatch):
     ``take_draft_token_ids`` RPC; otherwise vLLM's own ``post_step`` runs. (The batch queue's
     structured-output path, 795-800, keeps its own RPC.)"""
 
-    name = "skip_draft_rpc"
-
-    @staticmethod
-    def target():
-        from vllm.v1.engine.core import EngineCore
-
-        return EngineCore, "post_step"
+    target = "vllm.v1.engine.core:EngineCore.post_step"
 
     @staticmethod
     def wrap(original):

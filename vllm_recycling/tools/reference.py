@@ -2,8 +2,10 @@
 
 It is the oracle the vLLM integration is measured against: prefill the prompt, then each step
 draft a tree from the last token, verify it in one forward pass with a 4-D tree mask and
-positions = prefix length + depth, update the matrix from every node's logits, accept a path,
-and keep only the root and the accepted path in the KV cache.
+positions = prefix length + depth, update the matrix from every node's logits, accept a path
+by the plugin's own rule (``tools.accept.accept_tree``: ``paths.choose_paths``, then the chain
+verified as vLLM's rejection sampler does), and keep only the root and the accepted path in
+the KV cache.
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm_recycling.tools.accept import accept, sample_from_logits
 from vllm_recycling.matrix import AdjacencyMatrix
+from vllm_recycling.tools.accept import accept_tree, target_probs
 from vllm_recycling.tree import TreeTemplate
+from vllm_recycling.tree_step import TreeLayout
 
 
 @dataclass
@@ -47,14 +50,15 @@ class ReferenceDecoder:
         self.model = model
         self.device = next(model.parameters()).device
         self.tree = tree.to(self.device)
+        self.layout = TreeLayout.from_template(self.tree, self.device)
         self.matrix = matrix
         n1 = tree.num_nodes + 1
         mask = torch.zeros((n1, n1), dtype=model.dtype, device=self.device)
         self.tree_bias = mask.masked_fill(~self.tree.ancestors, torch.finfo(model.dtype).min)
         # Set to a list (with a matrix that keeps probabilities) to record every step's
-        # (node confidences [N+1], whether each node's token is the target's at its parent
-        # [N+1], root True): what the adaptive budget would have seen, and what verifying any
-        # subtree would have accepted (benchmarks/budget_projection.py).
+        # (node confidences [N+1], whether each node's token is the target's argmax at its
+        # parent [N+1], root True): what the adaptive budget would have seen, and what verifying
+        # any subtree greedily would have accepted (benchmarks/budget_projection.py).
         self.trace: list[tuple[list[float], list[bool]]] | None = None
 
     @torch.no_grad()
@@ -73,21 +77,10 @@ class ReferenceDecoder:
         if sampling.seed is not None:
             generator = torch.Generator(self.device).manual_seed(sampling.seed)
         n1 = self.tree.num_nodes + 1
-        temperature = torch.full((n1,), sampling.temperature, device=self.device)
-        top_k = None if sampling.top_k is None else torch.full((n1,), sampling.top_k, device=self.device)
-        top_p = None if sampling.top_p is None else torch.full((n1,), sampling.top_p, device=self.device)
         greedy = sampling.temperature <= 0
-
-        def pick(tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-            argmax = self.matrix.update(tokens, logits, slots)
-            if greedy:
-                return argmax
-            m = logits.shape[0]
-            return sample_from_logits(
-                logits, temperature[:m],
-                None if top_k is None else top_k[:m], None if top_p is None else top_p[:m],
-                generator,
-            )
+        temperature = None if greedy else torch.full((1,), sampling.temperature, device=self.device)
+        top_k = None if sampling.top_k is None else torch.full((1,), sampling.top_k, device=self.device)
+        top_p = None if sampling.top_p is None else torch.full((1,), sampling.top_p, device=self.device)
 
         self.matrix.allocate(request_id)
         slots = self.matrix.slots([request_id])
@@ -96,7 +89,11 @@ class ReferenceDecoder:
             cache = DynamicCache()
             prompt = torch.tensor([prompt_ids], device=self.device)
             logits = self.model(input_ids=prompt, past_key_values=cache, use_cache=True).logits
-            out.tokens.append(int(pick(prompt[:, -1:], logits[0, -1:].float())[0]))
+            last = logits[0, -1:].float()
+            first = self.matrix.update(prompt[:, -1:], last, slots)[0]
+            if not greedy:
+                first = torch.multinomial(target_probs(last, temperature, top_k, top_p)[0], 1, generator=generator)[0]
+            out.tokens.append(int(first))
             while len(out.tokens) < max_new_tokens and out.tokens[-1] not in eos:
                 prefix = cache.get_seq_length()
                 root = torch.tensor([out.tokens[-1]], device=self.device)
@@ -114,11 +111,11 @@ class ReferenceDecoder:
                     past_key_values=cache,
                     use_cache=True,
                 ).logits[0].float()
-                target = pick(tokens, logits)
-                path = accept(self.tree, tokens, target[None], greedy)
+                argmax = self.matrix.update(tokens, logits, slots)
+                path = accept_tree(self.layout, tokens, logits, temperature, top_k, top_p, generator)
                 accepted = int(path.num_accepted[0])
                 if self.trace is not None:
-                    match = tokens[0].long() == target[self.tree.parent.clamp(min=0)]
+                    match = tokens[0].long() == argmax[self.tree.parent.clamp(min=0)]
                     match[0] = True
                     self.trace.append((conf[0].tolist(), match.tolist()))
                 _keep_path(cache, prefix, path.nodes[0, : accepted + 1])

@@ -46,38 +46,26 @@ import torch
 NUM_BINS = 16
 PRIOR_TRIALS = 4.0
 # The prior acceptance of a bin: this times its confidence, for edges from the root and for
-# deeper ones. Learnt tables (SmolLM2, 2.2.2 pool, ~550-700 steps at batch 1) hold 0.3-0.5x the
-# confidence above 0.25 for both kinds together, 0.25-0.35x for edges from the root: rows written
-# in another context are confident and stale. A prior of the confidence itself made the budget
-# draft on optimism for its first few hundred steps. Deeper edges learn only from drafts sent,
-# so their prior must let some be sent.
+# deeper ones (stale rows are confident; deeper edges learn only from drafts sent, so their
+# prior must let some be sent). The measurements behind it: docs/design.md, "Constants".
 PRIOR_SCALE = (0.25, 0.5)
-# The profile keeps the measured time of every size up to this many tokens (medians of several
-# runs) instead of making it monotone, where its rounds agree (``profile_seconds``): a step's
-# cost need not grow with its tokens. On 2 Intel CPU cores, SmolLM2 in float32, one request:
-# 1 token 27.1-28.0 ms, 2 tokens 28.6-30.4, 3 to 6 tokens 24.4-25.9, 8 tokens 28.3-29.0 (vLLM's
-# _dummy_run, medians of 7, two runs, 2026-11-25): verifying 2 to 5 drafts is cheaper than plain
-# decoding, which a monotone profile hid (it priced 4 tokens as 2).
+# Up to this many tokens the profile keeps each size's measured time where its rounds agree
+# (``profile_seconds``) instead of making it monotone: a step's cost need not grow with its
+# tokens (docs/design.md, "Constants").
 EXACT_PROFILE_TOKENS = 64
 # A dip in the profile is kept only when this share of its paired rounds agree (``profile_seconds``).
 DIP_AGREEMENT = 0.85
 # Every step that teaches the calibration multiplies the bins' learnt counts by this: a memory
-# of ~1 / (1 - FORGET) steps. Halving a bin at 4096 trials instead kept, at 4 requests, what the
-# server's warm-up prompts taught (acceptances 0.3-0.5) for minutes of traffic that accepted
-# 0.1-0.2. The prior is not forgotten: a bin nobody tries any more returns to it, so deeper
-# edges, learnt only from drafts sent, get sent again now and then.
+# of ~1 / (1 - FORGET) steps, so the table follows the traffic. The prior is not forgotten: a
+# bin nobody tries any more returns to it.
 FORGET = 0.995
 # The step-time fit's prior, in units of the steps' noise: recursive least squares takes the
 # noise variance as 1, so each parameter's prior variance is (its prior std / the noise std)^2.
-# Step times scatter by a few ms (2 CPU cores, SmolLM2, one request: 1-3 ms). A prior given in
-# seconds^2 instead (1e-4 for d) weighed as ~10^4 steps: d stayed at 0 for the whole of a server
-# run while drafting steps cost 1-3 ms more than their tokens.
 STEP_NOISE_S = 2e-3
 PRIOR_STD_S = (20e-3, 0.5e-3, 5e-3)  # a (per step), b (per token), d (per drafting step)
 SYNC_STEPS = 32
 # The first steps with a branching tree are not timed: they pay the first calls of the tree
-# path (measured on 2 CPU cores, SmolLM2: a first 3-node tree step cost 25-35 ms of tree work,
-# later ones about 8), and a tree cost learnt from them alone kept trees out for good.
+# path, and a tree cost learnt from them alone would keep trees out for good.
 TREE_WARMUP_STEPS = 2
 # Each agreement without a timed tree step multiplies the per-tree cost by this, so a cost
 # learnt when trees were dear is retried now and then (one tree step) instead of never again.
@@ -369,10 +357,8 @@ def profile_seconds(sizes: list[int], runs: dict[int, list[float]]) -> np.ndarra
     """A start-up profile from its timed runs: each size's median, except that a size measured
     cheaper than a smaller one (a dip) keeps its median only when it was the faster of the two
     in at least ``DIP_AGREEMENT`` of their paired rounds; otherwise it takes the smaller size's
-    value (sizes timed once are made monotone). On 2 AMD cores a 5-round profile priced 2
-    tokens 17% below 1 (54.1 / 44.9 ms) where 30 rounds measured 2 tokens 2-4 ms dearer (three
-    profiles), and the budget then sent never-accepted nodes at every step; on 2 Intel cores
-    3-6 tokens were cheaper than 1 in every profile."""
+    value (sizes timed once are made monotone). A dip kept on one noisy round makes the budget
+    send drafts as if they were free (docs/design.md, "Constants")."""
     seconds = np.array([np.median(runs[n]) for n in sizes], dtype=np.float64)
     top = 0  # the size holding the largest value so far
     for i in range(1, len(sizes)):

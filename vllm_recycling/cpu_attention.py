@@ -147,9 +147,8 @@ GROUP_SIZE = 16
 def _prefix_groups(prefix: np.ndarray) -> list[np.ndarray]:
     """Indices of the requests in groups padded together: sorted by prefix length, a group
     never mixes prefixes of different powers of two (so padding at most doubles a request's
-    prefix) and holds at most GROUP_SIZE. Measured on 2 CPU cores with SmolLM2's shapes, 64
-    requests of 17 rows, one 1500-token prefix among 300-token ones: 259 ms per layer padded
-    all together, 18 ms grouped."""
+    prefix) and holds at most GROUP_SIZE (one long prompt must not pad the whole batch:
+    benchmarks/README.md, "CPU tree attention")."""
     order = np.argsort(prefix, kind="stable")
     octave = np.log2(np.maximum(prefix[order], 16)).astype(np.int64)
     groups = []
@@ -180,12 +179,10 @@ def tree_attention_cpu(
     read_cache gives a group's cached keys and values, its node rows included, whole blocks at
     a time. Positions a node may not see are masked whatever keys the cache holds there (NaN
     included); their values must be finite, as vLLM's caches hold (zero-filled at
-    allocation, then written with the model's keys and values). Query heads h*G .. h*G+G-1 share key/value head h (G = H / H_kv), computed as
-    one matrix product per key/value head without copying keys and values per query head.
-    Reading whole blocks replaced gathering prefix positions one by one and concatenating this
-    step's keys: on 2 CPU cores at SmolLM2's shapes, per layer, an 81-row tree over a 300-token
-    prefix 0.86 ms against 1.40, 16 requests of 17 rows 4.3 ms against 6.8, 17-row trees over
-    300-token prefixes unchanged (``benchmarks/tree_attention.py``)."""
+    allocation, then written with the model's keys and values). Query heads h*G .. h*G+G-1
+    share key/value head h (G = H / H_kv), computed as one matrix product per key/value head
+    without copying keys and values per query head. Whole blocks are read, not positions one by
+    one (benchmarks/README.md, "CPU tree attention")."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     out = output.view(output.shape[0], num_heads, head_dim)
     width = step.rows.shape[1]

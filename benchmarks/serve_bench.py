@@ -34,94 +34,20 @@ import json
 import os
 import random
 import shlex
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from server import Server  # noqa: E402
 from spec_bench import RESULTS, METHODS, run_header, speculative_config, write_results  # noqa: E402
 
 SERVER_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
                "--max-num-seqs", "64"]
-START_TIMEOUT_S = 300
-COUNTERS = {"vllm:generation_tokens_total": "tokens",
-            "vllm:spec_decode_num_accepted_tokens_total": "accepted",
-            "vllm:spec_decode_num_drafts_total": "drafts"}
 DEFAULT_METHODS = ",".join(["none", "ngram tuned", "suffix", "recycling chain6 hot",
                             "recycling tree16 hot", "recycling tree32 hot", "recycling 2.2.2 hot"])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """``vllm-recycling serve MODEL ...`` in its own process group; stopped on exit."""
-
-    def __init__(self, model: str, spec: dict | None, log_path: Path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        script = Path(sys.executable).with_name("vllm-recycling")
-        cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "vllm_recycling.cli"]
-        self.argv = [*cmd, "serve", model, *SERVER_ARGS, "--host", "127.0.0.1",
-                     "--port", str(self.port)]
-        if spec is not None:
-            self.argv += ["--speculative-config", json.dumps(spec)]
-        self.log_path = log_path
-        self.proc = None
-
-    def __enter__(self) -> "Server":
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-        start = time.monotonic()
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with status {self.proc.returncode}: "
-                                   f"{' '.join(self.argv)}\n{self._tail()}")
-            if time.monotonic() - start > START_TIMEOUT_S:
-                self.__exit__()
-                raise RuntimeError(f"no /health after {START_TIMEOUT_S} s\n{self._tail()}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
-                    if response.status == 200:
-                        return self
-            except OSError:
-                pass
-            time.sleep(1)
-
-    def __exit__(self, *exc) -> None:
-        for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(self.proc.pid, sig)
-                self.proc.wait(timeout=wait_s)
-                return
-            except ProcessLookupError:
-                return
-            except subprocess.TimeoutExpired:
-                continue
-
-    def _tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def counters(self) -> dict[str, float]:
-        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as response:
-            text = response.read().decode()
-        totals = dict.fromkeys(COUNTERS.values(), 0.0)
-        for line in text.splitlines():
-            name = line.split("{", 1)[0].split(" ", 1)[0]
-            if name in COUNTERS:
-                totals[COUNTERS[name]] += float(line.rsplit(" ", 1)[1])
-        return totals
 
 
 async def one_request(client, model: str, messages: list[dict], max_tokens: int) -> dict:
@@ -181,18 +107,20 @@ def run_method(method: str, args, questions: list[dict], log_dir: Path) -> dict:
         # shape are slow on the CPU: measured, a fresh server for no speculation at 4 clients
         # gave 39.0 tokens/s against 45.8 for one warmed by the level before).
         log_path = log_dir / f"{method.replace(' ', '_')}_c{c}.log"
-        with Server(args.model, spec, log_path) as server:
+        # 4 GiB of KV cache unless the environment sets its own.
+        env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
+        with Server(args.model, SERVER_ARGS, spec, log_path, env) as server:
             warm = [[{"role": "user", "content": f"Hello! Tell me something about the number {i}."}]
                     for i in range(max(4, c))]
             asyncio.run(load(server.url, args.model, warm, c, args.max_tokens, tqdm(disable=True)))
             n = min(args.max_requests, max(args.min_requests, 2 * c))
             requests = [[{"role": "user", "content": questions[i % len(questions)]["turns"][0]}]
                         for i in range(n)]
-            before = server.counters()
+            before = server.metrics()
             with tqdm(total=n, desc=f"{method} c={c}", unit="req") as progress:
                 results, seconds = asyncio.run(
                     load(server.url, args.model, requests, c, args.max_tokens, progress))
-            after = server.counters()
+            after = server.metrics()
         rows.append(_level_row(c, n, results, seconds, before, after))
     return {"method": method, "speculative_config": spec, "levels": rows}
 

@@ -40,19 +40,15 @@ import json
 import os
 import random
 import re
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from server import Server  # noqa: E402
 from spec_bench import RESULTS, run_header  # noqa: E402
 
 MODEL = "tiny-random"
@@ -62,7 +58,6 @@ SERVER_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", str(M
 SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 DEFAULT_SPEC = '{"method": "recycling"}'
 BASELINE = "no speculation"
-START_TIMEOUT_S = 300
 REQUEST_TIMEOUT_S = 300
 NEAR_TIE = 1e-4
 WARM_FRACTION = 0.1
@@ -234,32 +229,6 @@ def _draw(index: int, kind: str, rng: random.Random, sentences: list[str]) -> Re
 
 # -- the servers ---------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def group_rss_kib(pgid: int) -> dict[str, int]:
-    """VmRSS (KiB) of each live process in process group ``pgid``, keyed "name pid"."""
-    out = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            if int(stat[stat.rindex(")") + 2:].split()[2]) != pgid:
-                continue
-            status = (entry / "status").read_text()
-        except (OSError, ValueError):
-            continue  # gone meanwhile
-        name = re.search(r"^Name:\s*(.*)$", status, re.MULTILINE).group(1)
-        rss = re.search(r"^VmRSS:\s*(\d+)", status, re.MULTILINE)
-        if rss:
-            out[f"{name} {entry.name}"] = int(rss.group(1))
-    return out
-
-
 def spec_name(spec: dict | None) -> str:
     """A server's name in the report: "no speculation", "recycling", or the method and the keys
     that differ from ``{"method": "recycling"}`` ("recycling budget=fixed")."""
@@ -268,110 +237,6 @@ def spec_name(spec: dict | None) -> str:
     keys = " ".join(f"{k}={v if isinstance(v, str) else json.dumps(v)}"
                     for k, v in spec.items() if k != "method")
     return f"{spec.get('method')} {keys}".strip()
-
-
-class Server:
-    """``vllm-recycling serve tiny-random ...`` in its own process group. ``start`` launches it,
-    ``wait_ready`` waits for ``/health``; ``stop`` (or leaving the ``with`` block) ends the group."""
-
-    def __init__(self, spec: dict | None, log_path: Path, args: list[str] | None = None):
-        self.spec = spec
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        script = Path(sys.executable).with_name("vllm-recycling")
-        cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "vllm_recycling.cli"]
-        self.argv = [*cmd, "serve", MODEL, *(SERVER_ARGS if args is None else args),
-                     "--host", "127.0.0.1", "--port", str(self.port)]
-        if spec is not None:
-            self.argv += ["--speculative-config", json.dumps(spec)]
-        self.log_path = log_path
-        self.proc: subprocess.Popen | None = None
-        self.start_s: float | None = None
-        self._started = 0.0
-
-    def start(self) -> Server:
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env={**os.environ, **SERVER_ENV},
-                                         start_new_session=True)
-        self._started = time.monotonic()
-        return self
-
-    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with status {self.proc.returncode} before "
-                                   f"/health answered: {' '.join(self.argv)}\n{self.tail()}")
-            if time.monotonic() - self._started > timeout:
-                raise RuntimeError(f"no /health after {timeout} s: {' '.join(self.argv)}\n{self.tail()}")
-            if self.health() == 200:
-                self.start_s = round(time.monotonic() - self._started, 1)
-                return
-            time.sleep(1)
-
-    def health(self) -> int | None:
-        try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=10) as response:
-                return response.status
-        except urllib.error.HTTPError as e:
-            return e.code
-        except OSError:
-            return None
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def rss_kib(self) -> dict[str, int]:
-        return group_rss_kib(self.proc.pid) if self.alive() else {}
-
-    def metrics(self) -> dict[str, float]:
-        """Totals of the generation and spec-decode counters of ``/metrics`` ({} if it fails)."""
-        names = {"vllm:generation_tokens_total": "tokens",
-                 "vllm:spec_decode_num_accepted_tokens_total": "accepted",
-                 "vllm:spec_decode_num_drafts_total": "drafts",
-                 "vllm:spec_decode_num_draft_tokens_total": "draft_tokens"}
-        totals = dict.fromkeys(names.values(), 0.0)
-        try:
-            with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as response:
-                text = response.read().decode()
-        except OSError:
-            return {}
-        for line in text.splitlines():
-            name = line.split("{", 1)[0].split(" ", 1)[0]
-            if name in names:
-                totals[names[name]] += float(line.rsplit(" ", 1)[1])
-        return totals
-
-    def stop(self) -> None:
-        """SIGTERM to the process group, then SIGKILL to what is left of it."""
-        if self.proc is None:
-            return
-        for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(timeout=wait_s)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        deadline = time.monotonic() + 10  # the engine core may outlive the API server a moment
-        while group_rss_kib(self.proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-    def tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def __enter__(self) -> Server:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 # -- sending requests ----------------------------------------------------------------------------
@@ -665,7 +530,8 @@ def run_soak(requests: int = 1000, concurrency: int = 8, specs: list[dict] | Non
         name = spec_name(spec)
         if name in servers:
             raise ValueError(f"the speculative config {spec} is given twice")
-        servers[name] = Server(spec, log_dir / f"{name.replace(' ', '_').replace('/', '_')}.log")
+        servers[name] = Server(MODEL, SERVER_ARGS, spec,
+                               log_dir / f"{name.replace(' ', '_').replace('/', '_')}.log", SERVER_ENV)
     load_average = [round(x, 2) for x in os.getloadavg()]  # other work on the machine skews the timings
     start = time.monotonic()
     loads, finals, reports = {}, {}, {}
@@ -688,7 +554,11 @@ def run_soak(requests: int = 1000, concurrency: int = 8, specs: list[dict] | Non
             loads[name] = asyncio.run(run_load(server.url, plan, concurrency, server.rss_kib, rss_interval, tick))
         for name, server in servers.items():  # after every load: each server idled through the others'
             finals[name] = asyncio.run(run_load(server.url, [FINAL_REQUEST], 1)).outcomes[0]
-            reports[name] = server_report(server, plan, loads[name], finals[name], server.metrics())
+            try:
+                metrics = server.metrics()
+            except OSError:  # a server that died under the load still gets its report
+                metrics = {}
+            reports[name] = server_report(server, plan, loads[name], finals[name], metrics)
     finally:
         for server in servers.values():
             server.stop()

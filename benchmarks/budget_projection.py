@@ -136,7 +136,7 @@ def simulate(trace, cost, batch: int, seed: int) -> dict:
         match = trace["match"][idx]
         survival = cal.survival(conf, parent, levels)
         got = admit(survival[:, 1:], chain, batch, batch, cost)
-        mask = np.concatenate([np.ones((batch, 1), bool), got.mask.numpy()], axis=1)
+        mask = np.concatenate([np.ones((batch, 1), bool), got.mask], axis=1)
         ok = accepted_nodes(mask, match, parent_np, levels)
         acc = ok[:, 1:].sum(axis=1)
         # what the proposer learns: admitted nodes whose parent was accepted, and for a request
@@ -169,23 +169,29 @@ def simulate(trace, cost, batch: int, seed: int) -> dict:
 
 
 def time_budget(batch: int, reps: int = 50, device: str | torch.device = "cpu") -> float:
-    """Median seconds of the budget's per-step work (survival + admit, the admitted mask read
-    on the host as the proposer reads it) at a batch size, with the drafts' confidences on
-    ``device``. ``benchmarks/kernels.py`` calls it on a GPU."""
+    """Median seconds of the budget's per-step work after drafting, as the proposer does it
+    (``AdaptiveBudget.propose``): survival on the drafts' device, drafts, confidences and
+    survival read to the host in one copy, admission and calibration bins there. With the
+    drafts on ``device``; ``benchmarks/kernels.py`` calls it on a GPU."""
+    from vllm_recycling.adaptive_budget import _to_host
     from vllm_recycling.budget import Calibration, StepCost, admit, chain_nodes
     from vllm_recycling.tree import load_tree
 
     tree = load_tree("2.2.2", 8).to(device)
     parent = tree.parent.clamp(min=0)
-    chain = chain_nodes(tree.parent, tree.rank)
+    chain = chain_nodes(tree.parent, tree.rank).numpy()
+    deep = (np.arange(1, tree.num_nodes + 1) >= tree.level_starts[2]).astype(np.int64)
     cal, cost = Calibration(device), StepCost([1, 64, 512], [0.03, 0.06, 0.5])
-    conf = torch.rand(batch, tree.num_nodes + 1, generator=torch.Generator().manual_seed(batch)).to(device)
+    gen = torch.Generator().manual_seed(batch)
+    conf = torch.rand(batch, tree.num_nodes + 1, generator=gen).to(device)
+    tokens = torch.randint(0, 32000, (batch, tree.num_nodes + 1), generator=gen, dtype=torch.int32).to(device)
     runs = []
     for _ in range(reps + 5):  # the first calls (allocations, kernel loads) not counted
         t0 = time.perf_counter()
         survival = cal.survival(conf, parent, tree.level_starts)
-        got = admit(survival[:, 1:], chain, batch, batch, cost)
-        got.mask.cpu().numpy()
+        _, conf_np, survival_np = _to_host(tokens[:, 1:], conf[:, 1:], survival[:, 1:])
+        admit(survival_np, chain, batch, batch, cost)
+        cal.bins(conf_np, deep)
         runs.append(time.perf_counter() - t0)
     return float(np.median(runs[5:]))
 

@@ -141,7 +141,7 @@ def test_admitted_set_is_ancestor_closed_per_request():
     parent = tree.parent.clamp(min=0)
     for per_token in (0.001, 0.01, 0.05):
         got = admit(survival[:, 1:], chain, 5, 5, linear(per_token))
-        full = torch.cat([torch.ones(5, 1, dtype=torch.bool), got.mask], dim=1)
+        full = torch.cat([torch.ones(5, 1, dtype=torch.bool), torch.from_numpy(got.mask)], dim=1)
         assert full[:, parent].ge(full).all()  # every admitted node's parent is admitted
         assert got.num_admitted == int(got.mask.sum())
 
@@ -159,6 +159,25 @@ def test_survival_is_the_product_along_the_path():
     assert cal.bins(np.array([0.9, 0.9]), np.array([0, 1])).tolist() == [15, 31]
 
 
+def test_prior_rows_are_calibrated_in_their_own_tables():
+    """A row the model's prior filled carries its confidences negated: its edges fall in the
+    third (from the root) and fourth (deeper) tables, learnt apart from verified rows."""
+    cal = Calibration()
+    n = cal.num_bins
+    assert cal.bins(np.array([-0.9, -0.9, -0.0, 0.9]), np.array([0, 1, 0, 0])).tolist() == [3 * n - 1, 4 * n - 1, 0, n - 1]
+    assert cal.bins(torch.tensor([-0.25, 0.25]), torch.tensor([1, 1])).tolist() == [3 * n + 8, n + 8]
+    verified, prior = cal.table[n - 1].item(), cal.table[3 * n - 1].item()
+    cal.observe(np.array([3 * n - 1] * 50), np.zeros(50, dtype=bool))  # prior rows never accepted
+    assert cal.table[3 * n - 1].item() < prior / 4 and cal.table[n - 1].item() == verified
+    table = cal.table.clone()
+    table[:] = 0.5
+    table[2 * n : 3 * n] = 0.1
+    cal.table = table
+    parent = torch.tensor([0, 0, 1])
+    survival = cal.survival(torch.tensor([[1.0, -0.9, 0.9]]), parent, (0, 1, 2, 3))
+    assert survival[0].tolist() == pytest.approx([1.0, 0.1, 0.05])
+
+
 def test_monotone_pools_adjacent_violators():
     rates = np.array([0.0, 0.3, 0.1, 0.2, 0.5, 0.4])
     weights = np.array([1.0, 1.0, 1.0, 2.0, 3.0, 1.0])
@@ -173,12 +192,12 @@ def test_calibration_table_never_falls_with_confidence():
     cal = Calibration()
     cal.observe(np.array([9] * 6), np.ones(6, dtype=bool))  # bin 9: 6 hits in 6 + the prior
     table = cal.table.numpy()
-    assert np.all(np.diff(table[:16]) >= 0) and np.all(np.diff(table[16:]) >= 0)
+    assert all(np.all(np.diff(table[t * 16 : (t + 1) * 16]) >= 0) for t in range(4))  # each table
     raw = (cal.hits + cal.prior_hits) / (cal.trials + cal.prior_trials)
     assert raw[9] > raw[10] and table[9] == pytest.approx(table[15]) and table[9] < raw[9]
-    assert cal.max_edge == pytest.approx(float(max(table[15], table[31])))
+    assert cal.max_edge == pytest.approx(float(table[15::16].max()))
     cal.observe(np.array([31] * 40), np.ones(40, dtype=bool))  # deeper edges: their own table
-    assert cal.max_edge == pytest.approx(float(cal.table[-1])) and cal.table[15] == pytest.approx(table[15])
+    assert cal.max_edge == pytest.approx(float(cal.table[31])) and cal.table[15] == pytest.approx(table[15])
 
 
 def test_profile_keeps_a_dip_only_when_every_round_agrees():
@@ -222,7 +241,7 @@ def test_calibration_forgets_back_to_its_prior():
     assert cal.trials[9] == pytest.approx(100 * FORGET**2000) and cal.hits[9] == cal.trials[9]
     assert cal.trials[0] == pytest.approx((1 - FORGET**2000) / (1 - FORGET))
     assert cal.table[9].item() == pytest.approx(prior[9].item(), abs=2e-3)
-    assert cal.table[16:].tolist() == prior[16:].tolist()  # the deeper table was never tried
+    assert cal.table[16:].tolist() == prior[16:].tolist()  # the other tables were never tried
 
 
 def test_step_cost_profile_and_online_fit():

@@ -27,7 +27,7 @@ def test_defaults():
     assert config == RecyclingConfig(
         tree=None, topk=8, matrix_scope="overlay", overlay_rows=4096, salt_matrices=16,
         matrix_snapshot=None, matrix_snapshot_interval=300.0, verify="tree",
-        num_speculative_tokens=80, budget="auto",
+        num_speculative_tokens=80, budget="auto", matrix_init="model",
     )
     assert config.tree_template().name == "2.2.2" and config.tree_template().num_nodes == 80
     assert config.draft_template().name == "2.2.2" and config.draft_template().num_nodes == 80
@@ -120,6 +120,15 @@ def test_budget(value):
     assert parse(budget="fixed").budget == "fixed"
 
 
+@pytest.mark.parametrize("value", ["prior", "", None, "Model", 0])
+def test_matrix_init(value):
+    refused(
+        f'speculative_config["matrix_init"] = {value!r} is not valid: expected one of \'model\', \'empty\'',
+        matrix_init=value,
+    )
+    assert parse(matrix_init="empty").matrix_init == "empty"
+
+
 @pytest.mark.parametrize("value", ["beam", "", None, "CHAIN"])
 def test_verify(value):
     refused(
@@ -200,7 +209,7 @@ def test_unknown_key():
     refused(
         "speculative_config has unknown key(s) 'draft_model', 'top_k' for method 'recycling'; "
         "allowed keys: method, tree, topk, matrix_scope, overlay_rows, salt_matrices, matrix_snapshot, "
-        "matrix_snapshot_interval, verify, num_speculative_tokens, budget",
+        "matrix_snapshot_interval, verify, num_speculative_tokens, budget, matrix_init",
         top_k=8, draft_model="x",
     )
 

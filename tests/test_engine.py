@@ -222,12 +222,18 @@ def test_auto_budget_greedy_identical(tiny_model, tiny_base):
     assert [len(t) for t in sampled] == [20] * 4
 
 
-@pytest.mark.parametrize("scope,verify", [("per_request", "tree"), ("per_request", "chain"), ("shared", "tree")])
-def test_other_scopes_greedy_identical(tiny_model, tiny_base, scope, verify):
+@pytest.mark.parametrize(
+    "scope,verify,init",
+    [("per_request", "tree", "model"), ("per_request", "chain", "model"), ("shared", "tree", "model"),
+     ("per_request", "tree", "empty")],
+)
+def test_other_scopes_greedy_identical(tiny_model, tiny_base, scope, verify, init):
+    """Every scope and verify mode, from the model's prior (the default) and from an empty
+    matrix: greedy output as without speculation."""
     from vllm_recycling.config import DEFAULT_CHAIN_LENGTH
     from vllm_recycling.tree import load_tree
 
-    spec = {**RECYCLING, "matrix_scope": scope, "verify": verify}
+    spec = {**RECYCLING, "matrix_scope": scope, "verify": verify, "matrix_init": init}
     seeded = sampled_params(range(7, 23))
     with engine(tiny_model, speculative_config=spec, disable_log_stats=False) as llm:
         out = token_ids(llm.generate(TINY_PROMPTS, greedy(), use_tqdm=False))
@@ -238,8 +244,9 @@ def test_other_scopes_greedy_identical(tiny_model, tiny_base, scope, verify):
     assert counters["drafts"] > 0 and counters["draft_tokens"] == counters["drafts"] * nodes
     assert counters["accepted"] > 0
     if scope == "per_request":
-        # each request starts from an empty matrix of its own, so its drafts, and with them its
-        # seeded draws, repeat (with a shared part they depend on the traffic before)
+        # each request starts from a new matrix of its own (the prior, or empty), so its drafts,
+        # and with them its seeded draws, repeat (with a shared part they depend on the traffic
+        # before)
         assert draws[0] == draws[1] and len(set(map(tuple, draws[0]))) > 1
 
 

@@ -67,7 +67,7 @@ def test_update_empty_batch():
 
 def test_per_request_pool_reset_and_exhaustion():
     init = torch.tensor([[1], [2], [0]], dtype=torch.int32)
-    m = AdjacencyMatrix(3, 1, scope="per_request", max_requests=1, initial=init)
+    m = AdjacencyMatrix(3, 1, scope="per_request", max_requests=1, prior=(init, torch.zeros(3, 1)))
     m.allocate("a")
     m.view("a")[:] = 2
     with pytest.raises(MatrixPoolExhausted, match="all 1 per-request matrices are in use"):
@@ -75,7 +75,7 @@ def test_per_request_pool_reset_and_exhaustion():
     m.free("a")
     m.free("a")  # idempotent
     m.allocate("b")
-    assert m.view("b")[:, 0].tolist() == [1, 2, 0]  # reset to the initial matrix
+    assert m.view("b")[:, 0].tolist() == [1, 2, 0]  # reset to the prior
 
 
 def test_shared_scope_never_resets():
@@ -229,9 +229,9 @@ def test_probabilities_beside_the_ids_shared_and_overlay():
 
 # -- salt scope: tenants keyed by cache_salt -----------------------------------------------------
 
-def _salted(salt_matrices: int = 2, with_probs: bool = False) -> AdjacencyMatrix:
+def _salted(salt_matrices: int = 2, with_probs: bool = False, prior=None) -> AdjacencyMatrix:
     return AdjacencyMatrix(16, 2, scope="salt", max_requests=8, overlay_rows=4,
-                           salt_matrices=salt_matrices, with_probs=with_probs)
+                           salt_matrices=salt_matrices, with_probs=with_probs, prior=prior)
 
 
 def test_salt_scope_layout_and_matrices():
@@ -329,3 +329,46 @@ def test_snapshot_survives_sigkill_during_a_save(tmp_path):
     assert torch.equal(load_snapshot(path, 64, 4), first)
     assert remove_stale_temporaries(path) == temporaries and not temporaries[0].exists()
     assert list(tmp_path.iterdir()) == [path]
+
+
+def _prior(vocab: int = 16, k: int = 2):
+    """A prior where token t's successors are t + 1 and t + 2 (mod vocab), probabilities 0.5, 0.25."""
+    table = torch.stack([(torch.arange(vocab) + d) % vocab for d in (1, 2)], 1).int()[:, :k]
+    probs = torch.tensor([0.5, 0.25])[:k].repeat(vocab, 1).half()
+    return table, probs
+
+
+def test_every_new_matrix_starts_from_the_prior():
+    """Shared (without a snapshot), per-request and overlay matrices start from the prior, with
+    its probabilities; a snapshot replaces it for the shared matrix only."""
+    table, probs = _prior()
+    shared = AdjacencyMatrix(16, 2, prior=(table, probs), with_probs=True)
+    assert torch.equal(shared.table, table) and torch.equal(shared.probs, -probs)  # marked: the prior's
+    pool = AdjacencyMatrix(16, 2, scope="per_request", max_requests=2, prior=(table, probs), with_probs=True)
+    pool.allocate("a")
+    pool.view("a")[:] = 3
+    pool.free("a")
+    pool.allocate("b")
+    assert torch.equal(pool.view("b"), table) and torch.equal(pool.probs[:16], -probs)
+    snapshot = torch.zeros((16, 2), dtype=torch.int32)
+    overlay = AdjacencyMatrix(16, 2, scope="overlay", max_requests=1, prior=(table, probs),
+                              initial=snapshot, overlay_rows=16, with_probs=True)
+    assert overlay.table[:16].eq(0).all() and overlay.probs[:16].eq(0).all()  # the snapshot's
+
+
+def test_a_new_salt_starts_from_the_prior_not_from_other_tenants():
+    """The prior holds no tenant's data: a new salt's matrix is the prior, never the shared
+    matrix or another salt's rows, and an evicted salt's matrix goes back to the prior."""
+    table, probs = _prior()
+    m = _salted(salt_matrices=2, prior=(table, probs), with_probs=True)
+    m.allocate("a1", "A")
+    m.allocate("x", None)
+    m.update(torch.tensor([[5], [5]]), _rows(16, [9, 11]), m.slots(["a1", "x"]))
+    assert m.view("a1")[5].tolist() == [9, 0] and m.table[5].tolist() == [11, 0]
+    m.allocate("b1", "B")
+    assert torch.equal(m.view("b1"), table)
+    assert torch.equal(m.probs[2 * 16 : 3 * 16], -probs)
+    m.free("a1")
+    m.allocate("c1", "C")  # evicts A (idle): back to the prior
+    assert m.matrix_of("c1") == 1 and torch.equal(m.view("c1"), table)
+    assert torch.equal(m.probs[16:32], -probs)

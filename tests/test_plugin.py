@@ -145,21 +145,22 @@ def test_register_on_other_vllm_stays_inactive_and_refuses_only_recycling(monkey
 # -- the proposer on its own (no engine) ---------------------------------------------------------
 
 def make_proposer(scope: str, max_num_seqs: int = 2, vocab_size: int = 16, snapshot=None,
-                  tree=None, budget="fixed"):
+                  tree=None, budget="fixed", matrix_init="empty", model="tiny"):
     """A proposer with a top-4 matrix over 16 tokens: a 3-token chain, or the given tree; every
-    node drafted every step unless budget="auto"."""
+    node drafted every step unless budget="auto"; an empty matrix unless matrix_init="model"."""
     from types import SimpleNamespace
 
     from vllm_recycling.config import RecyclingConfig
     from vllm_recycling.proposer import RecyclingProposer
 
     config = RecyclingConfig(
-        topk=4, matrix_scope=scope, matrix_snapshot=snapshot, budget=budget,
+        topk=4, matrix_scope=scope, matrix_snapshot=snapshot, budget=budget, matrix_init=matrix_init,
         **({"verify": "chain", "num_speculative_tokens": 3} if tree is None else {"tree": tree}),
     )
     return RecyclingProposer(SimpleNamespace(
         additional_config={"recycling": config.to_dict()},
-        model_config=SimpleNamespace(get_vocab_size=lambda: vocab_size, max_model_len=64),
+        model_config=SimpleNamespace(get_vocab_size=lambda: vocab_size, max_model_len=64,
+                                     model=model, revision=None),
         device_config=SimpleNamespace(device="cpu"),
         scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
     ))
@@ -414,7 +415,7 @@ def test_engine_config(tiny_model):
     assert config.additional_config["recycling"] == {
         "tree": None, "topk": 4, "matrix_scope": "overlay", "overlay_rows": 4096, "salt_matrices": 16,
         "matrix_snapshot": None, "matrix_snapshot_interval": 300.0,
-        "verify": "chain", "num_speculative_tokens": 3, "budget": "auto",
+        "verify": "chain", "num_speculative_tokens": 3, "budget": "auto", "matrix_init": "model",
     }
     assert config.scheduler_config.async_scheduling is False
     assert config.use_v2_model_runner is False
@@ -429,7 +430,7 @@ def test_engine_config_tree_default(tiny_model):
         "tree": None, "topk": 8, "matrix_scope": "overlay", "overlay_rows": 4096, "salt_matrices": 16,
         "matrix_snapshot": None,
         "matrix_snapshot_interval": 300.0,
-        "verify": "tree", "num_speculative_tokens": 80, "budget": "auto",
+        "verify": "tree", "num_speculative_tokens": 80, "budget": "auto", "matrix_init": "model",
     }
     spec = {"method": "recycling", "tree": "tree16"}
     config = EngineArgs(tiny_model, **ENGINE, speculative_config=spec).create_engine_config()
@@ -523,3 +524,22 @@ def test_check_drafter_refuses_a_runner_without_ours():
         load_model(worker(recycling, type("Wrapper", (), {})()))
     assert load_model(worker(recycling, make_proposer("shared"))) == "loaded"
     assert load_model(worker(SimpleNamespace(additional_config=None), None)) == "loaded"
+
+
+def test_proposer_starts_from_the_cached_prior(tmp_path, monkeypatch):
+    """matrix_init="model": the worker's matrices start from the prior the front end cached for
+    this model, vocabulary and k; without a usable file they start empty (and say why)."""
+    import torch
+
+    from vllm_recycling.prior import prior_path, save_prior
+
+    monkeypatch.setenv("VLLM_RECYCLING_CACHE", str(tmp_path))
+    table = torch.stack([(torch.arange(16) + d) % 16 for d in (1, 2, 3, 4)], 1).int()
+    probs = torch.full((16, 4), 0.25, dtype=torch.float16)
+    save_prior(prior_path("tiny", None, 16, 4), table, probs, "tiny", 1.0)
+    proposer = make_proposer("per_request", matrix_init="model", budget="auto", tree=[[0], [1]])
+    proposer.matrix.allocate("a")
+    assert torch.equal(proposer.matrix.view("a"), table)
+    assert torch.equal(proposer.matrix.probs[:16], -probs)  # prior rows: calibrated apart
+    other = make_proposer("per_request", matrix_init="model", model="another")  # no prior cached
+    assert other.matrix.table.eq(0).all()

@@ -52,7 +52,7 @@ class AdaptiveBudget:
         self.calibration = Calibration(device)
         # A flat prior until the start-up profile (patches.runner.ProfileStepCost) replaces it.
         self.cost = StepCost([1, 1 << 20], [0.0, 0.0])
-        self.chain = chain_nodes(template.parent, template.rank).to(device)
+        self.chain = chain_nodes(template.parent, template.rank).numpy()
         self._parent = template.parent.clamp(min=0).to(device)
         self._parent_np = template.parent.clamp(min=0).cpu().numpy()
         # per non-root node: 1 below the first level (the calibration's second table)
@@ -122,14 +122,15 @@ class AdaptiveBudget:
             decision = no_drafts(len(active), num_nodes, num_decoding, base_tokens, self.cost)
             self._record(decision)
             tokens, conf = matrix.draft(roots, self._first_level, slots, with_probs=True)
+            tokens_np, conf_np = _to_host(tokens[:, 1:], conf[:, 1:])
             every = np.ones(len(active), dtype=bool)
-            unsent = self._unsent(active, batch, tokens[:, 1:].cpu().numpy(), conf[:, 1:].cpu().numpy(), every)
+            unsent = self._unsent(active, batch, tokens_np, conf_np, every)
             return {}, Proposal(unsent=unsent, predicted_seconds=decision.seconds)
         tokens, conf = matrix.draft(roots, self.template, slots, with_probs=True)
         survival = self.calibration.survival(conf, self._parent, self.template.level_starts)
-        decision = admit(survival[:, 1:], self.chain, num_decoding, base_tokens, self.cost)
+        tokens_np, conf_np, survival_np = _to_host(tokens[:, 1:], conf[:, 1:], survival[:, 1:])
+        decision = admit(survival_np, self.chain, num_decoding, base_tokens, self.cost)
         mask = self._record(decision)
-        tokens_np, conf_np = tokens[:, 1:].cpu().numpy(), conf[:, 1:].cpu().numpy()
         bins = self.calibration.bins(conf_np, self._deep)
         drafts, sent = {}, {}
         for k, i in enumerate(active):  # vLLM takes one Python list of drafts per request
@@ -152,19 +153,18 @@ class AdaptiveBudget:
         first_tokens, first_conf = tokens[:, :end], conf[:, :end]
         first_bins = self.calibration.bins(first_conf, 0)
         # the first level is the root's row: one never written (every probability 0) drafts
-        # token 0 at every rank, no trials
+        # token 0 at every rank, no trials (a prior row's are negative: trials of its tables)
         return {
             batch[active[k]]: (first_tokens[k], first_bins[k])
-            for k in np.flatnonzero(rows & (first_conf.max(axis=1) > 0))
+            for k in np.flatnonzero(rows & (np.abs(first_conf).max(axis=1) > 0))
         }
 
     def _record(self, decision: Admission) -> np.ndarray:
         """Keep the step's decision (benchmarks, tests, the log) and its checksum (the ranks of
         a tensor-parallel group must agree); returns its mask on the host."""
         self.last_admission = decision
-        mask = decision.mask.cpu().numpy()
-        self.decision_digest = zlib.crc32(mask.tobytes(), self.decision_digest)
-        return mask
+        self.decision_digest = zlib.crc32(decision.mask.tobytes(), self.decision_digest)
+        return decision.mask
 
     def learn(self, record: StepRecord, sampled_token_ids: list[list[int]]) -> None:
         """Fold the step that just ended into the cost model (its measured duration, from the end
@@ -239,6 +239,13 @@ class AdaptiveBudget:
             1e3 * a, 1e3 * b, 1e3 * c, 1e3 * d,
         )
         self._stats[:] = 0
+
+
+def _to_host(tokens: torch.Tensor, *floats: torch.Tensor) -> list[np.ndarray]:
+    """tokens [R, N] int and float tensors [R, N] on the host in one copy (one wait for the
+    device, not one per tensor): token ids travel as float32, exact below 2^24."""
+    host = torch.stack([tokens.float(), *(f.float() for f in floats)]).cpu().numpy()
+    return [host[0].astype(np.int64), *host[1:]]
 
 
 def tensor_parallel_mean():

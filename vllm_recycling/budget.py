@@ -44,6 +44,8 @@ import numpy as np
 import torch
 
 NUM_BINS = 16
+# edges from the root, deeper edges; the same two for rows the model's prior filled
+NUM_TABLES = 4
 PRIOR_TRIALS = 4.0
 # The prior acceptance of a bin: this times its confidence, for edges from the root and for
 # deeper ones (stale rows are confident; deeper edges learn only from drafts sent, so their
@@ -99,33 +101,39 @@ def monotone(rates: np.ndarray, weights: np.ndarray) -> np.ndarray:
 
 
 class Calibration:
-    """P(node accepted | parent accepted) per confidence bin, learned online, in two tables:
-    edges from the root and deeper edges. A confident edge is accepted less often from the root
-    (its row was written in another context) than below an accepted draft (the context matches
-    again): SmolLM2 at batch 1, 16 Spec-Bench prompts, one table for both: sent first-level
-    nodes were predicted 92 acceptances and got 66, second-level ones 11 and got 13. Each table
-    is kept non-decreasing in confidence (``monotone``): a bin's own count is noisy (30-100
-    trials after ~700 steps at batch 1), and the budget sends the nodes whose bins read
-    highest, so an unpooled table sent bins that were lucky."""
+    """P(node accepted | parent accepted) per confidence bin, learned online, in four tables:
+    edges from the root and deeper edges, each for rows verification wrote and for rows the
+    model's prior filled (``AdjacencyMatrix``: their confidences come negated). A confident
+    edge is accepted less often from the root (its row was written in another context) than
+    below an accepted draft (the context matches again); a prior row's confidence is the
+    model's after the token alone, not after any text that was served. Each table is kept
+    non-decreasing in confidence (``monotone``): a bin's own count is noisy, and the budget
+    sends the nodes whose bins read highest, so an unpooled table sent bins that were lucky
+    (docs/design.md, "Constants")."""
 
     def __init__(self, device: torch.device | str = "cpu", num_bins: int = NUM_BINS) -> None:
         centers = ((np.arange(num_bins) + 0.5) / num_bins) ** 2  # the confidence at each bin's middle
-        # two tables of num_bins: edges from the root (the first level), then deeper edges;
-        # learnt counts (forgotten) and the prior's (kept)
-        self.prior_trials = np.full(2 * num_bins, PRIOR_TRIALS)
-        self.prior_hits = np.concatenate([scale * centers * PRIOR_TRIALS for scale in PRIOR_SCALE])
-        self.trials = np.zeros(2 * num_bins)
-        self.hits = np.zeros(2 * num_bins)
+        # NUM_TABLES tables of num_bins: edges from the root (the first level), deeper edges,
+        # then the same two for prior rows; learnt counts (forgotten) and the prior's (kept)
+        scales = PRIOR_SCALE + PRIOR_SCALE
+        self.prior_trials = np.full(NUM_TABLES * num_bins, PRIOR_TRIALS)
+        self.prior_hits = np.concatenate([scale * centers * PRIOR_TRIALS for scale in scales])
+        self.trials = np.zeros(NUM_TABLES * num_bins)
+        self.hits = np.zeros(NUM_TABLES * num_bins)
         self.num_bins = num_bins
         self.device = torch.device(device)
-        self.table = torch.empty(2 * num_bins, dtype=torch.float32, device=self.device)
+        self.table = torch.empty(NUM_TABLES * num_bins, dtype=torch.float32, device=self.device)
         self._max_edge = self._set_table()
         self._deep: dict[tuple, torch.Tensor] = {}
 
     def bins(self, conf, deep):
-        """The table index of each edge: its confidence bin, in the second table when ``deep``
-        (its parent is not the root). Works on tensors and arrays alike."""
-        return confidence_bins(conf, self.num_bins) + self.num_bins * deep
+        """The table index of each edge: the bin of its confidence |conf|, in the second table
+        when ``deep`` (its parent is not the root), two tables further when conf < 0 (a prior
+        row). Works on tensors and arrays alike."""
+        if isinstance(conf, np.ndarray):
+            prior = (conf < 0).astype(np.int64)
+            return confidence_bins(np.abs(conf), self.num_bins) + self.num_bins * (deep + 2 * prior)
+        return confidence_bins(conf.abs(), self.num_bins) + self.num_bins * (deep + 2 * (conf < 0).long())
 
     def observe(self, bins: np.ndarray, accepted: np.ndarray) -> None:
         """bins [n] int (``bins``): the edges of nodes whose parent was accepted; accepted [n]
@@ -149,9 +157,11 @@ class Calibration:
         n = self.num_bins
         trials = self.trials + self.prior_trials
         raw = (self.hits + self.prior_hits) / trials
-        rates = np.concatenate([monotone(raw[:n], trials[:n]), monotone(raw[n:], trials[n:])])
+        rates = np.concatenate(
+            [monotone(raw[t * n : (t + 1) * n], trials[t * n : (t + 1) * n]) for t in range(NUM_TABLES)]
+        )
         self.table.copy_(torch.from_numpy(rates))
-        return float(max(rates[n - 1], rates[-1]))
+        return float(rates[n - 1 :: n].max())
 
     def survival(self, conf: torch.Tensor, parent: torch.Tensor, level_starts: tuple[int, ...]) -> torch.Tensor:
         """conf [R, M] (node 0 the root, breadth-first) -> survival [R, M] (1 at the root).
@@ -275,11 +285,11 @@ def nothing_pays(max_survival: float, cost: Callable, num_decoding: int, base_to
 
 @dataclass
 class Admission:
-    """What ``admit`` chose. mask [R, N] bool over the non-root nodes; trees: requests given a
-    node off their rank-0 chain (a branching tree); expected: R + the admitted survivals;
-    seconds: predicted step cost."""
+    """What ``admit`` chose. mask [R, N] bool (host) over the non-root nodes; trees: requests
+    given a node off their rank-0 chain (a branching tree); expected: R + the admitted
+    survivals; seconds: predicted step cost."""
 
-    mask: torch.Tensor
+    mask: np.ndarray
     num_admitted: int
     trees: int
     expected: float
@@ -287,14 +297,15 @@ class Admission:
 
 
 def admit(
-    survival: torch.Tensor,
-    chain: torch.Tensor,
+    survival: np.ndarray | torch.Tensor,
+    chain: np.ndarray | torch.Tensor,
     num_decoding: int,
     base_tokens: int,
     cost: Callable[[np.ndarray, np.ndarray], np.ndarray],
 ) -> Admission:
-    """survival [R, N] of the non-root nodes (breadth-first); chain [N] bool: the nodes of the
-    template's rank-0 chain; num_decoding: tokens the step yields without drafts (R);
+    """survival [R, N] of the non-root nodes (breadth-first, host values or a tensor); chain
+    [N] bool: the nodes of the template's rank-0 chain; num_decoding: tokens the step yields
+    without drafts (R);
     base_tokens: the step's tokens without drafts; cost(tokens, trees, drafted) -> seconds,
     elementwise (drafted: 1 for B >= 1).
 
@@ -302,13 +313,12 @@ def admit(
     and earlier) is always admitted before its child.
     """
     num_req, num_nodes = survival.shape
-    device = survival.device
     # on the host, in numpy: a few hundred to a few thousand values, where each torch call
-    # costs more than the work (0.25 -> 0.08 ms per step at one request, 2 CPU cores)
-    surv = survival.float().cpu().numpy().reshape(-1)
+    # costs more than the work (docs/design.md, "Constants")
+    surv = _host(survival).astype(np.float64, copy=False).reshape(-1)
     if not surv.size or nothing_pays(float(surv.max()), cost, num_decoding, base_tokens, surv.size):
-        return no_drafts(num_req, num_nodes, num_decoding, base_tokens, cost, device)
-    on_chain = np.tile(chain.cpu().numpy(), num_req)
+        return no_drafts(num_req, num_nodes, num_decoding, base_tokens, cost)
+    on_chain = np.tile(_host(chain).astype(bool), num_req)
     sizes = np.arange(surv.size + 1)
     best = None
     for tree in (False, True):
@@ -332,14 +342,17 @@ def admit(
     value, b, order, trees, gain = best
     mask = np.zeros(surv.size, dtype=bool)
     mask[order[:b]] = True
-    return Admission(torch.from_numpy(mask.reshape(num_req, num_nodes)).to(device), b, trees,
-                     num_decoding + gain, (num_decoding + gain) / value)
+    return Admission(mask.reshape(num_req, num_nodes), b, trees, num_decoding + gain,
+                     (num_decoding + gain) / value)
 
 
-def no_drafts(num_req: int, num_nodes: int, num_decoding: int, base_tokens: int, cost: Callable,
-              device: torch.device | str = "cpu") -> Admission:
+def _host(values) -> np.ndarray:
+    return values.cpu().numpy() if isinstance(values, torch.Tensor) else np.asarray(values)
+
+
+def no_drafts(num_req: int, num_nodes: int, num_decoding: int, base_tokens: int, cost: Callable) -> Admission:
     """The decision B = 0: plain decoding."""
-    mask = torch.zeros((num_req, num_nodes), dtype=torch.bool, device=device)
+    mask = np.zeros((num_req, num_nodes), dtype=bool)
     return Admission(mask, 0, 0, float(num_decoding), float(np.asarray(cost(base_tokens, 0, 0))))
 
 

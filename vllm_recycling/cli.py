@@ -226,12 +226,54 @@ def _run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- warm
+
+WARM_USAGE = f"{PROG} warm [model_tag] [vllm serve options]"
+
+
+def _add_warm_command(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "warm",
+        help="compute a model's initial matrix (matrix_init 'model') once, cache it, print where",
+        description=(
+            "Compute the initial matrix that engines with speculative_config matrix_init 'model' "
+            "(the default) start from: the model's own top-k after each vocabulary token, "
+            "through vLLM. Takes `vllm serve`'s arguments (the model and how it is loaded; topk "
+            "from --speculative-config, else 8), so that the server finds it; prints the file "
+            "on stdout. A server computes it at its first start when it is missing."
+        ),
+        usage=WARM_USAGE,
+        add_help=False,
+    )
+    parser.add_argument("vllm_args", nargs=argparse.REMAINDER, metavar="ARGS", help="`vllm serve` arguments")
+    parser.set_defaults(handler=_run_warm, passthrough=True)
+
+
+def _run_warm(args: argparse.Namespace) -> int:
+    from vllm.engine.arg_utils import EngineArgs
+
+    from .config import DEFAULT_TOPK, METHOD, RecyclingConfig, RecyclingConfigError
+    from .warm import ensure_prior
+
+    _, serve_args = serve_arguments(args.vllm_args)
+    spec = getattr(serve_args, "speculative_config", None)
+    try:
+        topk = RecyclingConfig.from_dict(spec).topk if isinstance(spec, dict) and spec.get("method") == METHOD else DEFAULT_TOPK
+        engine_args = EngineArgs.from_cli_args(serve_args)
+        path = ensure_prior(engine_args, engine_args.create_model_config(), topk)
+    except RecyclingConfigError as exc:
+        raise CliError(str(exc)) from None
+    print(path)
+    return 0
+
+
 # --------------------------------------------------------------------------- parser
 
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_model_command,
     _add_decode_command,
     _add_serve_command,
+    _add_warm_command,
 ]
 
 

@@ -39,6 +39,7 @@ METHOD = "recycling"
 ADDITIONAL_CONFIG_KEY = "recycling"
 VERIFY_MODES = ("chain", "tree")
 BUDGETS = ("auto", "fixed")
+MATRIX_INITS = ("model", "empty")
 MAX_TOPK = 64
 MAX_SALT_MATRICES = 4096
 DEFAULT_TOPK = 8
@@ -78,6 +79,9 @@ class RecyclingConfig:
         matrix starts from zeros; its folder must exist), saved there atomically every
         matrix_snapshot_interval seconds and when the engine shuts down. None: no file.
     matrix_snapshot_interval: seconds between saves (> 0); 0 saves at shutdown only.
+    matrix_init: what every new matrix starts from. "model" (default): the model's own top-k
+        after each token (``prior.py``), computed once per model and cached; a snapshot, when
+        there is one, still replaces it for the shared matrix. "empty": every entry token 0.
     verify: "tree" (default): the tree's nodes are drafted and verified in one forward pass;
         "chain": the matrix's top-1 chain, verified by vLLM's rejection sampler as it is.
     num_speculative_tokens: tokens drafted per step. verify="tree": the first that many nodes
@@ -99,6 +103,7 @@ class RecyclingConfig:
     verify: str = "tree"
     num_speculative_tokens: int | None = None
     budget: str = "auto"
+    matrix_init: str = "model"
 
     def __post_init__(self) -> None:
         if not _is_int(self.topk) or not 1 <= self.topk <= MAX_TOPK:
@@ -147,6 +152,8 @@ class RecyclingConfig:
             raise _field_error("verify", self.verify, _one_of(VERIFY_MODES))
         if self.budget not in BUDGETS:
             raise _field_error("budget", self.budget, _one_of(BUDGETS))
+        if self.matrix_init not in MATRIX_INITS:
+            raise _field_error("matrix_init", self.matrix_init, _one_of(MATRIX_INITS))
         tree = self.tree
         if isinstance(tree, (list, tuple)):
             # Inline paths: tuples keep the dataclass hashable; compile_tree checks the content.

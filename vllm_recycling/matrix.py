@@ -81,7 +81,11 @@ class AdjacencyMatrix:
         overlay_rows: int = DEFAULT_OVERLAY_ROWS,
         with_probs: bool = False,
         salt_matrices: int = DEFAULT_SALT_MATRICES,
+        prior: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
+        """initial: the shared matrix's content (a snapshot); prior: (table [V, k] int32, probs
+        [V, k] float16) every other new matrix starts from (``prior.py``), and the shared one
+        too without ``initial``; without either, every entry is token 0."""
         if scope not in SCOPES:
             raise ValueError(f"matrix scope {scope!r}: expected one of {', '.join(SCOPES)}")
         if vocab_size < 1 or not 1 <= topk <= vocab_size:
@@ -96,20 +100,26 @@ class AdjacencyMatrix:
         self.topk = topk
         self.scope = scope
         slots = 1 if scope == "shared" else max_requests
-        # The content each slot starts from: zeros, or a snapshot's matrix.
-        self.initial = torch.zeros((vocab_size, topk), dtype=torch.int32, device=device)
+        # What a new matrix starts from (a per-request one, a salt's): the prior, or zeros.
+        self.fresh = torch.zeros((vocab_size, topk), dtype=torch.int32, device=device)
+        self.fresh_probs = torch.zeros((vocab_size, topk), dtype=torch.float16, device=device)
+        if prior is not None:  # its probabilities negated: the budget tells its rows apart
+            self.fresh.copy_(_checked(prior[0], vocab_size, topk, "prior"))
+            self.fresh_probs.copy_(-prior[1].to(torch.float16).abs())
+        # The shared matrix's start: the snapshot (whose rows carry no probabilities), else fresh.
+        self.initial = self.fresh.clone()
+        initial_probs = self.fresh_probs
         if initial is not None:
             self.initial.copy_(_checked(initial, vocab_size, topk, "initial matrix"))
+            initial_probs = torch.zeros_like(self.fresh_probs)
         has_overlay = scope in ("overlay", "salt")
         self.overlay_rows = overlay_rows if has_overlay else 0
         self.salt_matrices = salt_matrices if scope == "salt" else 0
         self.keys: torch.Tensor | None = None  # overlay, salt: [slots * R + 1] int32, -1 = empty
         if has_overlay:
-            extra = torch.zeros(
-                (self.salt_matrices * vocab_size + slots * overlay_rows + 1, topk),
-                dtype=torch.int32, device=device,
-            )
-            self.table = torch.cat([self.initial, extra])
+            salts = self.fresh.repeat(self.salt_matrices, 1)
+            extra = torch.zeros((slots * overlay_rows + 1, topk), dtype=torch.int32, device=device)
+            self.table = torch.cat([self.initial, salts, extra])
             self.keys = torch.full((slots * overlay_rows + 1,), -1, dtype=torch.int32, device=device)
             # update(): the last row of a step writing each entry, -1 between steps (only the
             # entries a step wrote are reset: no [slots * R] buffer filled per step)
@@ -117,10 +127,14 @@ class AdjacencyMatrix:
         else:
             self.table = self.initial.repeat(slots, 1)
         # The successors' probabilities under the logits that wrote them (the adaptive budget's
-        # edge confidence): [rows, k] float16 beside ``table``, 0 until a row is verified.
+        # edge confidence): [rows, k] float16 beside ``table``; 0 for rows nothing wrote, the
+        # prior's probabilities negated for rows it filled (calibrated apart, budget.Calibration).
         self.probs: torch.Tensor | None = None
         if with_probs:
             self.probs = torch.zeros(self.table.shape, dtype=torch.float16, device=device)
+            matrices = 1 + self.salt_matrices if has_overlay else slots
+            self.probs[: vocab_size] = initial_probs
+            self.probs[vocab_size : matrices * vocab_size] = self.fresh_probs.repeat(matrices - 1, 1)
         self._free = list(range(slots - 1, -1, -1))
         self._slot_of: dict[str, int] = {}
         # salt scope: salt -> its matrix (1..S), least recently used first; live requests per
@@ -136,7 +150,7 @@ class AdjacencyMatrix:
 
     # -- slots -----------------------------------------------------------------------------------
     def allocate(self, request_id: str, salt: str | None = None) -> int:
-        """Give a request its slot (per_request: a fresh one, reset to the initial matrix;
+        """Give a request its slot (per_request: a fresh one, reset to the prior or zeros;
         salt scope: also its salt's matrix, see ``matrix_of``)."""
         if self.scope == "shared":
             return 0
@@ -152,9 +166,7 @@ class AdjacencyMatrix:
         if self.keys is not None:  # an empty cache: every key misses
             self.keys[slot * self.overlay_rows : (slot + 1) * self.overlay_rows] = -1
         else:
-            self.table[slot * self.vocab_size : (slot + 1) * self.vocab_size] = self.initial
-            if self.probs is not None:
-                self.probs[slot * self.vocab_size : (slot + 1) * self.vocab_size] = 0
+            self._reset(slot)
         self._slot_of[request_id] = slot
         if self.scope == "salt":
             self._request_salt[request_id] = salt
@@ -164,7 +176,7 @@ class AdjacencyMatrix:
     def _take_salt_matrix(self, request_id: str, salt: str | None) -> None:
         """salt scope: the matrix of the request's salt: the shared one without a salt, the
         salt's own when it has one, else an unused one or the least recently used one no live
-        request holds (reset to zeros: the evicted salt starts cold if it comes back), else
+        request holds (reset to the prior or zeros: what the evicted salt taught is gone), else
         NO_MATRIX for now."""
         if salt is None:
             index = 0
@@ -179,15 +191,19 @@ class AdjacencyMatrix:
                 idle = next((s for s, i in self._salt_matrix.items() if not self._salt_users[i]), None)
                 if idle is not None:
                     index = self._salt_matrix.pop(idle)
-                    rows = slice(index * self.vocab_size, (index + 1) * self.vocab_size)
-                    self.table[rows] = 0
-                    if self.probs is not None:
-                        self.probs[rows] = 0
+                    self._reset(index)
             if index != NO_MATRIX:
                 self._salt_matrix[salt] = index
         if index != NO_MATRIX:
             self._salt_users[index] += 1
         self._matrix_of[request_id] = index
+
+    def _reset(self, index: int) -> None:
+        """Matrix ``index`` (a per-request slot, a salt's matrix) back to what a new one holds."""
+        rows = slice(index * self.vocab_size, (index + 1) * self.vocab_size)
+        self.table[rows] = self.fresh
+        if self.probs is not None:
+            self.probs[rows] = self.fresh_probs
 
     def matrix_of(self, request_id: str) -> int:
         """salt scope: the index of the matrix a request reads and writes (0: the shared one,

@@ -29,6 +29,7 @@ import torch
 from vllm_recycling.adaptive_budget import AdaptiveBudget
 from vllm_recycling.config import RecyclingConfig
 from vllm_recycling.matrix import AdjacencyMatrix
+from vllm_recycling.prior import find_prior
 from vllm_recycling.slots import MatrixSlots
 from vllm_recycling.step import ACTIVE_TREE, NO_PROPOSAL, StepPlan, StepRecord, Verification
 from vllm_recycling.transfer import StagedBuffer, to_device
@@ -50,6 +51,7 @@ class RecyclingProposer:
         self.max_model_len = model_config.max_model_len
         self.template = self.config.draft_template().to(device)
         auto = self.config.budget == "auto"
+        prior = find_prior(model_config, self.config.topk) if self.config.matrix_init == "model" else None
         self.matrix = AdjacencyMatrix(
             vocab_size,
             topk=self.config.topk,
@@ -60,6 +62,7 @@ class RecyclingProposer:
             overlay_rows=self.config.overlay_rows,
             with_probs=auto,
             salt_matrices=self.config.salt_matrices,
+            prior=prior,
         )
         self.slots = MatrixSlots(self.matrix, self.config, max_requests)
         self.budget = AdaptiveBudget(self.template, self.config.topk, device) if auto else None

@@ -77,6 +77,10 @@ def translate_recycling_spec(engine_args: Any, target_model_config: Any) -> None
 
         if current_platform.is_cuda():
             engine_settings(engine_args)  # TRITON_ATTN, piecewise CUDA graphs
+    if config.matrix_init == "model":  # computed once per model, before any engine exists
+        from vllm_recycling.warm import ensure_prior
+
+        ensure_prior(engine_args, target_model_config, config.topk)
     engine_args.additional_config = {**extra, ADDITIONAL_CONFIG_KEY: config.to_dict()}
     engine_args.speculative_config = {
         "method": "custom_class",
@@ -84,9 +88,11 @@ def translate_recycling_spec(engine_args: Any, target_model_config: Any) -> None
         "num_speculative_tokens": config.num_speculative_tokens,
     }
     logger.info(
-        "recycling: verify=%s, %d draft tokens per step (%s) from a %s top-%d adjacency matrix%s",
+        "recycling: verify=%s, %d draft tokens per step (%s) from a %s top-%d adjacency matrix "
+        "starting %s%s",
         config.verify, config.num_speculative_tokens, config.draft_template().name,
         config.matrix_scope, config.topk,
+        "from the model's prior" if config.matrix_init == "model" else "empty",
         f" (snapshot {config.matrix_snapshot})" if config.matrix_snapshot else "",
     )
     if config.matrix_snapshot and not getattr(engine_args, "shutdown_timeout", 0):

@@ -15,6 +15,12 @@ prior is for) answers one Spec-Bench question per category. Contexts:
 
 Prints a table (tokens per step, the prior's compute time and size) and writes
 ``benchmarks/results/matrix_prior.{json,md}``.
+
+    python benchmarks/matrix_prior.py --startup       # engine start-up with the cached prior vs empty
+
+``--startup`` times ``LLM(model, speculative_config={"method": "recycling", "matrix_init": ...})``
+from its creation to its first answer, each in a fresh process, alternating "model" (the prior
+cached) and "empty" ``--rounds`` times, and writes ``benchmarks/results/matrix_prior_startup.{json,md}``.
 """
 
 from __future__ import annotations
@@ -81,6 +87,55 @@ def _expanded(cache, batch: int):
     return out
 
 
+def time_startup(model: str, init: str) -> float:
+    """Seconds from creating an engine with ``matrix_init: init`` to its first answer (in this
+    process: run it in a fresh one)."""
+    from vllm import LLM, SamplingParams
+
+    from vllm_recycling.tools.models import prepare_model
+
+    path = str(prepare_model(model))
+    started = time.perf_counter()
+    llm = LLM(path, dtype="float32", enforce_eager=True, max_model_len=2048,
+              speculative_config={"method": "recycling", "matrix_init": init})
+    llm.generate(["Hello"], SamplingParams(max_tokens=1), use_tqdm=False)
+    return time.perf_counter() - started
+
+
+def startup(args) -> int:
+    import os
+    import statistics
+    import subprocess
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    times: dict[str, list[float]] = {"model": [], "empty": []}
+    subprocess.run([sys.executable, __file__, "--startup-once", "model", "--model", args.model], check=True)  # the prior cached
+    for _ in range(args.rounds):
+        for init in ("model", "empty"):
+            out = subprocess.run([sys.executable, __file__, "--startup-once", init, "--model", args.model],
+                                 check=True, capture_output=True, text=True).stdout
+            times[init].append(float(out.strip().splitlines()[-1]))
+            print(init, times[init][-1], flush=True)
+    header = run_header("matrix_prior.py", args.model)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    lines = [
+        "# Engine start-up with the cached prior", "",
+        f"{header['date']}; {header['machine']}; torch {torch.__version__}. Command: `{header['command']}`.", "",
+        "Seconds from `LLM(...)` to its first answer, each in a fresh process (in-process engine, "
+        "float32, eager), alternating `matrix_init` \"model\" (the prior already cached) and \"empty\".", "",
+        "| matrix_init | runs (s) | median (s) |",
+        "|---|---|---|",
+    ] + [f"| {k} | {', '.join(f'{t:.1f}' for t in v)} | {med[k]:.1f} |" for k, v in times.items()] + [
+        "", f"model / empty: {med['model'] / med['empty']:.3f}",
+    ]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    (RESULTS / "matrix_prior_startup.md").write_text(text)
+    (RESULTS / "matrix_prior_startup.json").write_text(json.dumps({"header": header, "times": times}, indent=2) + "\n")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2")
@@ -88,7 +143,15 @@ def main(argv=None) -> int:
     parser.add_argument("--per-category", type=int, default=1)
     parser.add_argument("--contexts", default=",".join(CONTEXTS))
     parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--startup", action="store_true", help="time engine start-up instead")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--startup-once", choices=("model", "empty"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.startup_once:
+        print(time_startup(args.model, args.startup_once))
+        return 0
+    if args.startup:
+        return startup(args)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -19,7 +19,8 @@ the held-out prompts (any ``ngram:k=K:min=A:max=B`` can be named, and any recycl
 chain mode, each with a hot matrix (shared and kept across the prompts: the paper's hot start,
 cold only at the first prompt) and a cold one (``matrix_scope: per_request``: every request
 starts from a new matrix). Every matrix starts from the model's prior (``matrix_init:
-"model"``, the default); a method named ``... empty`` starts from an empty one instead. A method named ``... warm`` (``suffix warm``, ``recycling 2.2.2
+"model"``, the default); a method named ``... empty`` starts from an empty one instead. Tree
+methods hold the context branch (``context_match``, the default); ``... no context`` does not. A method named ``... warm`` (``suffix warm``, ``recycling 2.2.2
 warm``) first answers the prompts the measured sample leaves out, one at a time and unmeasured,
 so its state (the matrix, suffix decoding's cache of earlier answers) starts warm from other
 questions than those it is measured on. Each method runs in its own process (one vLLM engine per process;
@@ -70,10 +71,14 @@ for _tree in ("chain6", "tree16", "tree32", "2.2.2"):  # every node of the tree,
         {"method": "recycling", "tree": _tree, "budget": "fixed"}
     METHODS[f"recycling {_tree} hot"] = _spec
     METHODS[f"recycling {_tree} cold"] = {**_spec, "matrix_scope": "per_request"}
-# Without the model's prior (``matrix_init: "model"``, the default): today's cold start.
+# Without the model's prior (``matrix_init: "model"``, the default): an empty matrix's cold start.
 EMPTY = " empty"
 for _name in ("recycling auto", "recycling 2.2.2 hot", "recycling 2.2.2 cold"):
     METHODS[_name + EMPTY] = {**METHODS[_name], "matrix_init": "empty"}
+# Without the context branch (``context_match: true``, the default): the matrix's tree alone.
+NO_CONTEXT = " no context"
+for _name in ("recycling auto", "recycling 2.2.2 hot"):
+    METHODS[_name + NO_CONTEXT] = {**METHODS[_name], "context_match": False}
 # Warmed on the questions outside the measured sample first (``run_method``).
 WARM = " warm"
 METHODS["suffix" + WARM] = METHODS["suffix"]

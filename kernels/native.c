@@ -202,3 +202,48 @@ int rc_draft(const int32_t *table, int64_t table_rows, int64_t k, const half_t *
     }
     return 0;
 }
+
+/* Context matches (``kernels/context_match.py``): for each request b, its history
+ * hist[rows[b], 0 .. num_tokens[b]) (vLLM's token ids: prompt, then output). The longest
+ * suffix of length n in [min_n, max_n] that also occurs earlier, at its most recent earlier
+ * occurrence; out[b, 0 .. length) = the tokens after that occurrence (-1 past the history's
+ * end), match_len[b] = n (0 and all -1: no match). Knuth-Morris-Pratt over the reversed
+ * history, the prefix function kept for the first max_n positions only: O(num_tokens) per
+ * request. lps: a work buffer of max_n int64. Returns 0, or -1 for max_n < 1 or min_n < 1. */
+int rc_context_match(const int32_t *hist, int64_t ld, const int64_t *rows, const int64_t *num_tokens,
+                     int64_t batch, int64_t min_n, int64_t max_n, int64_t length, int64_t *lps,
+                     int64_t *out, int64_t *match_len) {
+    if (max_n < 1 || min_n < 1) return -1;
+    for (int64_t b = 0; b < batch; b++) {
+        const int32_t *h = hist + rows[b] * ld;
+        int64_t n = num_tokens[b];
+        int64_t *o = out + b * length;
+        for (int64_t j = 0; j < length; j++) o[j] = -1;
+        match_len[b] = 0;
+        if (n < 2) continue;
+        /* reversed token i is h[n - 1 - i] */
+        int64_t longest = 0, position = 0, prev = 0, i = 1;
+        for (int64_t j = 0; j < max_n; j++) lps[j] = 0;
+        while (i < n) {
+            if (h[n - 1 - prev] == h[n - 1 - i]) {
+                prev++;
+                if (prev > longest) {  /* strictly: the earliest i, the most recent occurrence */
+                    longest = prev;
+                    position = i;
+                }
+                if (i < max_n) lps[i] = prev;
+                if (prev == max_n) prev = lps[max_n - 1];
+                i++;
+            } else if (prev != 0) {
+                prev = lps[prev - 1];
+            } else {
+                i++;
+            }
+        }
+        if (longest < min_n) continue;
+        int64_t start = n - 1 - position + longest;
+        for (int64_t j = 0; j < length && start + j < n; j++) o[j] = h[start + j];
+        match_len[b] = longest;
+    }
+    return 0;
+}

@@ -124,6 +124,8 @@ def _load(path: Path):
     lib.rc_topk_update.restype = ctypes.c_int
     lib.rc_draft.argtypes = [p, i64, i64, p, p, i64, p, p, i64, p, p, p, i64, i64, p, p]
     lib.rc_draft.restype = ctypes.c_int
+    lib.rc_context_match.argtypes = [p, i64, p, p, i64, i64, i64, i64, p, p, p]
+    lib.rc_context_match.restype = ctypes.c_int
     return lib
 
 
@@ -241,3 +243,26 @@ def draft(
         if rc == -2:
             raise IndexError(f"a draft reads a row outside the table's {table.shape[0]} rows")
     return tokens if conf is None else (tokens, conf)
+
+
+def context_match(history, rows, num_tokens, min_n: int, max_n: int, length: int):
+    """``kernels.context_match.context_match`` in C (the same arguments and results); None
+    when the library is unavailable."""
+    import numpy as np
+
+    lib = _library()
+    if lib is None:
+        return None
+    history = np.ascontiguousarray(history, dtype=np.int32)
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    num_tokens = np.ascontiguousarray(num_tokens, dtype=np.int64)
+    batch = rows.shape[0]
+    out = np.empty((batch, length), dtype=np.int64)
+    match_len = np.empty(batch, dtype=np.int64)
+    lps = np.empty(max(max_n, 1), dtype=np.int64)
+    ptr = lambda a: a.ctypes.data  # noqa: E731
+    rc = lib.rc_context_match(ptr(history), history.shape[1], ptr(rows), ptr(num_tokens), batch,
+                              min_n, max_n, length, ptr(lps), ptr(out), ptr(match_len))
+    if rc != 0:
+        raise ValueError(f"context_match: need 1 <= min_n, 1 <= max_n, got {min_n}, {max_n}")
+    return out, match_len

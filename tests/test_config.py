@@ -27,7 +27,7 @@ def test_defaults():
     assert config == RecyclingConfig(
         tree=None, topk=8, matrix_scope="overlay", overlay_rows=4096, salt_matrices=16,
         matrix_snapshot=None, matrix_snapshot_interval=300.0, verify="tree",
-        num_speculative_tokens=80, budget="auto", matrix_init="model",
+        num_speculative_tokens=80, budget="auto", matrix_init="model", context_match=True,
     )
     assert config.tree_template().name == "2.2.2" and config.tree_template().num_nodes == 80
     assert config.draft_template().name == "2.2.2" and config.draft_template().num_nodes == 80
@@ -129,6 +129,13 @@ def test_matrix_init(value):
     assert parse(matrix_init="empty").matrix_init == "empty"
 
 
+@pytest.mark.parametrize("value", ["yes", 1, 0, None, "true"])
+def test_context_match(value):
+    refused(f'speculative_config["context_match"] = {value!r} is not valid: expected true or false',
+            context_match=value)
+    assert parse(context_match=False).context_match is False
+
+
 @pytest.mark.parametrize("value", ["beam", "", None, "CHAIN"])
 def test_verify(value):
     refused(
@@ -209,7 +216,7 @@ def test_unknown_key():
     refused(
         "speculative_config has unknown key(s) 'draft_model', 'top_k' for method 'recycling'; "
         "allowed keys: method, tree, topk, matrix_scope, overlay_rows, salt_matrices, matrix_snapshot, "
-        "matrix_snapshot_interval, verify, num_speculative_tokens, budget, matrix_init",
+        "matrix_snapshot_interval, verify, num_speculative_tokens, budget, matrix_init, context_match",
         top_k=8, draft_model="x",
     )
 

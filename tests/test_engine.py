@@ -165,7 +165,10 @@ def test_chi_square_sees_a_biased_tree_rule(tiny_model, tiny_base, monkeypatch):
 
     monkeypatch.setattr(verifier, "choose_paths", uniform_walk)
     monkeypatch.setattr(verifier, "draft_probabilities", lambda *a: probabilities(*a) * 1e-3)
-    with engine(tiny_model, speculative_config=RECYCLING, disable_log_stats=False) as llm:
+    # the matrix's tree alone: the power of the test against a biased walk over matrix children
+    # (the lossless test above runs with the context branch, the default)
+    spec = {**RECYCLING, "context_match": False}
+    with engine(tiny_model, speculative_config=spec, disable_log_stats=False) as llm:
         llm.generate(TINY_PROMPTS, greedy(), use_tqdm=False)  # a hot matrix, as in the suite
         draws = token_ids(llm.generate([TINY_PROMPTS[0]] * SAMPLED_REQUESTS,
                                        sampled_params([None] * SAMPLED_REQUESTS), use_tqdm=False))
@@ -230,7 +233,7 @@ def test_auto_budget_greedy_identical(tiny_model, tiny_base):
 def test_other_scopes_greedy_identical(tiny_model, tiny_base, scope, verify, init):
     """Every scope and verify mode, from the model's prior (the default) and from an empty
     matrix: greedy output as without speculation."""
-    from vllm_recycling.config import DEFAULT_CHAIN_LENGTH
+    from vllm_recycling.config import CONTEXT_LENGTH, DEFAULT_CHAIN_LENGTH
     from vllm_recycling.tree import load_tree
 
     spec = {**RECYCLING, "matrix_scope": scope, "verify": verify, "matrix_init": init}
@@ -241,7 +244,9 @@ def test_other_scopes_greedy_identical(tiny_model, tiny_base, scope, verify, ini
         draws = [token_ids(llm.generate([TINY_PROMPTS[0]] * 16, seeded, use_tqdm=False)) for _ in range(2)]
     assert check_greedy_identity(tiny_base["greedy"], out)["near_ties"] == []
     nodes = load_tree("2.2.2", 8).num_nodes if verify == "tree" else DEFAULT_CHAIN_LENGTH
-    assert counters["drafts"] > 0 and counters["draft_tokens"] == counters["drafts"] * nodes
+    context = CONTEXT_LENGTH if verify == "tree" else 0  # the context nodes that have a token
+    assert counters["drafts"] > 0
+    assert counters["drafts"] * nodes <= counters["draft_tokens"] <= counters["drafts"] * (nodes + context)
     assert counters["accepted"] > 0
     if scope == "per_request":
         # each request starts from a new matrix of its own (the prior, or empty), so its drafts,

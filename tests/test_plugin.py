@@ -145,9 +145,10 @@ def test_register_on_other_vllm_stays_inactive_and_refuses_only_recycling(monkey
 # -- the proposer on its own (no engine) ---------------------------------------------------------
 
 def make_proposer(scope: str, max_num_seqs: int = 2, vocab_size: int = 16, snapshot=None,
-                  tree=None, budget="fixed", matrix_init="empty", model="tiny"):
+                  tree=None, budget="fixed", matrix_init="empty", model="tiny", context_match=False):
     """A proposer with a top-4 matrix over 16 tokens: a 3-token chain, or the given tree; every
-    node drafted every step unless budget="auto"; an empty matrix unless matrix_init="model"."""
+    node drafted every step unless budget="auto"; an empty matrix unless matrix_init="model";
+    no context branch unless context_match."""
     from types import SimpleNamespace
 
     from vllm_recycling.config import RecyclingConfig
@@ -155,6 +156,7 @@ def make_proposer(scope: str, max_num_seqs: int = 2, vocab_size: int = 16, snaps
 
     config = RecyclingConfig(
         topk=4, matrix_scope=scope, matrix_snapshot=snapshot, budget=budget, matrix_init=matrix_init,
+        context_match=context_match,
         **({"verify": "chain", "num_speculative_tokens": 3} if tree is None else {"tree": tree}),
     )
     return RecyclingProposer(SimpleNamespace(
@@ -415,7 +417,7 @@ def test_engine_config(tiny_model):
     assert config.additional_config["recycling"] == {
         "tree": None, "topk": 4, "matrix_scope": "overlay", "overlay_rows": 4096, "salt_matrices": 16,
         "matrix_snapshot": None, "matrix_snapshot_interval": 300.0,
-        "verify": "chain", "num_speculative_tokens": 3, "budget": "auto", "matrix_init": "model",
+        "verify": "chain", "num_speculative_tokens": 3, "budget": "auto", "matrix_init": "model", "context_match": True,
     }
     assert config.scheduler_config.async_scheduling is False
     assert config.use_v2_model_runner is False
@@ -424,15 +426,21 @@ def test_engine_config(tiny_model):
 def test_engine_config_tree_default(tiny_model):
     from vllm.engine.arg_utils import EngineArgs
 
+    from vllm_recycling.config import CONTEXT_LENGTH
+
     config = EngineArgs(tiny_model, **ENGINE, speculative_config=RECYCLING).create_engine_config()
-    assert config.speculative_config.num_speculative_tokens == 80  # the nodes of "2.2.2"
+    # the nodes of "2.2.2", and the context branch's
+    assert config.speculative_config.num_speculative_tokens == 80 + CONTEXT_LENGTH
     assert config.additional_config["recycling"] == {
         "tree": None, "topk": 8, "matrix_scope": "overlay", "overlay_rows": 4096, "salt_matrices": 16,
         "matrix_snapshot": None,
         "matrix_snapshot_interval": 300.0,
-        "verify": "tree", "num_speculative_tokens": 80, "budget": "auto", "matrix_init": "model",
+        "verify": "tree", "num_speculative_tokens": 80, "budget": "auto", "matrix_init": "model", "context_match": True,
     }
     spec = {"method": "recycling", "tree": "tree16"}
+    config = EngineArgs(tiny_model, **ENGINE, speculative_config=spec).create_engine_config()
+    assert config.speculative_config.num_speculative_tokens == 16 + CONTEXT_LENGTH
+    spec = {"method": "recycling", "tree": "tree16", "context_match": False}
     config = EngineArgs(tiny_model, **ENGINE, speculative_config=spec).create_engine_config()
     assert config.speculative_config.num_speculative_tokens == 16
 
@@ -442,13 +450,15 @@ def test_server_json_path(tiny_model):
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    from vllm_recycling.config import CONTEXT_LENGTH
+
     parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
     args = parser.parse_args([
         "--model", tiny_model, "--dtype", "float32", "--max-model-len", "1024",
         "--speculative-config", '{"method": "recycling", "matrix_scope": "per_request"}',
     ])
     config = AsyncEngineArgs.from_cli_args(args).create_engine_config()
-    assert config.speculative_config.num_speculative_tokens == 80
+    assert config.speculative_config.num_speculative_tokens == 80 + CONTEXT_LENGTH
     assert config.additional_config["recycling"]["matrix_scope"] == "per_request"
     args = parser.parse_args([
         "--model", tiny_model, "--speculative-config", '{"method": "recycling", "topk": 0}'
@@ -543,3 +553,62 @@ def test_proposer_starts_from_the_cached_prior(tmp_path, monkeypatch):
     assert torch.equal(proposer.matrix.probs[:16], -probs)  # prior rows: calibrated apart
     other = make_proposer("per_request", matrix_init="model", model="another")  # no prior cached
     assert other.matrix.table.eq(0).all()
+
+
+def test_context_branch_drafts_the_match_of_the_history():
+    """context_match: the tree holds a chain of the tokens that followed the longest recent
+    match of the request's own history; budget "fixed" sends every matrix node and the context
+    nodes that have a token, recorded (each request's tree is its own), and the step plan
+    verifies exactly those nodes."""
+    import numpy as np
+    import torch
+
+    from vllm_recycling.config import CONTEXT_LENGTH
+
+    proposer = make_proposer("shared", tree=[[0], [1], [0, 0]], context_match=True)
+    hybrid = proposer.hybrid
+    assert hybrid.tree.num_nodes == 3 + CONTEXT_LENGTH and hybrid.context_nodes[0] == 1
+    history = np.zeros((2, 64), dtype=np.int32)
+    history[0, :9] = [3, 9, 4, 7, 1, 3, 9, 4, 7]  # "3 9 4 7" seen before, followed by "1 3 9 4 7"
+    history[1, :3] = [5, 6, 8]  # no repeat: no match
+    begin(proposer, ["a", "b"])
+    drafts = proposer.propose([[7], [8]], np.array([9, 3]), history)
+    # a: the context chain 1 3 9 4 7 (5 tokens), then the matrix's 3 nodes (an empty matrix: 0s)
+    assert drafts[0] == [1, 0, 0, 3, 0, 9, 4, 7] and drafts[1] == [0, 0, 0]
+    nodes_a, nodes_b = proposer.proposal.nodes_of("a"), proposer.proposal.nodes_of("b")
+    assert nodes_a.tolist() == sorted(hybrid.context_nodes[:5].tolist() + hybrid.matrix_nodes[1:].tolist())
+    assert nodes_b.tolist() == hybrid.matrix_nodes[1:].tolist()
+    # the next step: both trees scheduled whole; a's rows sit at the context chain's depths
+    qsl = np.array([0, 9, 13])
+    offsets = proposer.begin_step(["a", "b"], lambda r: None, [8, 3], qsl, np.array([9, 3]), torch.arange(13))
+    tree = proposer.record.plan.tree
+    assert tree.req_index_np.tolist() == [0, 1]
+    depth = hybrid.tree.depth[torch.tensor([0] + nodes_a.tolist())]
+    assert offsets[:9].tolist() == (depth - torch.arange(9)).tolist()
+
+
+def test_auto_budget_sends_a_long_context_match_and_learns_from_it():
+    """budget "auto" with the context branch: a long match's chain is sent when its calibrated
+    survival pays (a chain: no tree attention), its outcome teaches the context table."""
+    import numpy as np
+    import torch
+
+    from vllm_recycling.budget import NUM_BINS, StepCost
+
+    proposer = make_proposer("shared", tree=[[0], [1], [0, 0]], budget="auto", context_match=True)
+    budget = proposer.budget
+    budget.cost = StepCost([1, 101], [1.0, 1.5])  # 5 ms per token on a 1 s step
+    history = np.zeros((1, 64), dtype=np.int32)
+    history[0, :12] = [3, 9, 4, 7, 1, 2, 3, 9, 4, 7, 1, 2]  # "3 9 4 7 1 2" then again
+    begin(proposer, ["a"])
+    drafts = proposer.propose([[2]], np.array([6 + 6]), history)
+    # the match "3 9 4 7 1 2" (6 tokens) drafts what followed it: 3 9 4 7 1 2; the matrix nodes
+    # (an empty matrix: confidence 0) are not worth a token
+    assert drafts == [[3, 9, 4, 7, 1, 2]]
+    assert budget.last_admission.trees == 0  # the context chain alone: no tree attention
+    sent = proposer.proposal.nodes_of("a")
+    assert sent.tolist() == proposer.hybrid.context_nodes[:6].tolist()
+    before = budget.calibration.trials[4 * NUM_BINS:].sum()
+    begin(proposer, ["a"], num_draft=[6], computed=[12])
+    proposer.propose([[3, 9, 5]], np.array([15]), history)  # two accepted, the third rejected
+    assert budget.calibration.trials[4 * NUM_BINS:].sum() == pytest.approx(before + 3)

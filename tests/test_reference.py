@@ -35,12 +35,16 @@ def test_sampling_is_seeded_and_completes(tiny):
     assert len(runs[0].tokens) == 24 and all(0 <= t < model.config.vocab_size for t in runs[0].tokens)
 
 
-@pytest.mark.parametrize("tree,scope", [("chain6", "per_request"), ("tree16", "per_request"),
-                                        ([[0]], "per_request"), ("tree16", "overlay"), ("tree16", "shared")])
-def test_tiny_random_greedy_equals_generate(tiny, tree, scope):
+@pytest.mark.parametrize("tree,scope,context", [
+    ("chain6", "per_request", 0), ("tree16", "per_request", 0), ([[0]], "per_request", 0),
+    ("tree16", "overlay", 0), ("tree16", "shared", 0), ("tree16", "per_request", 16),
+])
+def test_tiny_random_greedy_equals_generate(tiny, tree, scope, context):
+    """Every tree shape and scope, with the context branch too (its nodes verified only as deep
+    as the match has tokens): greedy output as plain greedy decoding."""
     model, tok = tiny
     matrix = AdjacencyMatrix(model.config.vocab_size, 8, scope=scope, max_requests=1, overlay_rows=16)
-    decoder = ReferenceDecoder(model, load_tree(tree, 8), matrix)
+    decoder = ReferenceDecoder(model, load_tree(tree, 8), matrix, context_length=context)
     steps = []
     for i, text in enumerate(["the tree of tokens", "a matrix of next words", "weather"]):
         ids = chat_prompt_ids(tok, text)
@@ -48,8 +52,8 @@ def test_tiny_random_greedy_equals_generate(tiny, tree, scope):
         assert got.tokens == _plain_greedy(model, ids, 32, None)[:32]
         assert len(got.tokens) == 32
         steps += got.tokens_per_step
-    if scope != "per_request":  # a matrix kept across the prompts: some drafts are accepted
-        assert sum(steps) > len(steps)
+    if scope != "per_request" or context:  # a matrix kept across the prompts, or the prompt's own
+        assert sum(steps) > len(steps)  # text: some drafts are accepted
 
 
 def test_max_new_tokens_one_and_eos_stop(tiny):

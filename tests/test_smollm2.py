@@ -98,7 +98,11 @@ def reference(hf_model, prompts):
     from vllm_recycling.tools.reference import ReferenceDecoder
     from vllm_recycling.tree import load_tree
 
-    decoder = ReferenceDecoder(hf_model, load_tree("2.2.2", 8), AdjacencyMatrix(hf_model.config.vocab_size, 8))
+    from vllm_recycling.config import CONTEXT_LENGTH
+
+    # the plugin's default tree: the matrix's "2.2.2" and the context branch
+    decoder = ReferenceDecoder(hf_model, load_tree("2.2.2", 8), AdjacencyMatrix(hf_model.config.vocab_size, 8),
+                               context_length=CONTEXT_LENGTH)
     eos = hf_model.config.eos_token_id
     return [decoder.generate(ids, NEW_TOKENS, eos_token_id=eos) for ids in prompts]
 
@@ -127,9 +131,10 @@ def test_reference_decoder_equals_generate(hf_model, prompts, reference):
 
 def test_reference_decoder_accepts_as_vllm(runs, reference):
     """The reference decoder is the oracle: on the same prompts in the same order, with the
-    default tree verified whole at batch 1, it makes exactly vLLM's tree steps and accepts
-    exactly vLLM's tokens (the same drafting, update and acceptance rule; the two models'
-    float32 logits agree far beyond the matrix's top-k ranks here)."""
+    default tree (the matrix's and the context branch) verified whole at batch 1, it makes
+    exactly vLLM's tree steps and accepts exactly vLLM's tokens (the same drafting, context
+    match, update and acceptance rule; the two models' float32 logits agree far beyond the
+    matrix's top-k ranks here)."""
     steps = [s for got in reference for s in got.tokens_per_step]
     c = runs["2.2.2", 1, "counters"]
     same = sum(got.tokens == vllm for got, vllm in zip(reference, runs["2.2.2", 1]))

@@ -20,6 +20,7 @@ from vllm.logger import init_logger
 from vllm_recycling import LOGGER_NAME
 from vllm_recycling.budget import (
     EXACT_PROFILE_TOKENS,
+    context_bins,
     SYNC_STEPS,
     Admission,
     Calibration,
@@ -31,9 +32,11 @@ from vllm_recycling.budget import (
     profile_seconds,
     profile_sizes,
 )
+from vllm_recycling.drafts import Context, draft
 from vllm_recycling.matrix import AdjacencyMatrix
 from vllm_recycling.step import Proposal, StepRecord
-from vllm_recycling.tree import TreeTemplate, load_tree
+from vllm_recycling.transfer import to_device
+from vllm_recycling.tree import HybridTree, load_tree
 
 logger = init_logger(LOGGER_NAME)
 
@@ -45,19 +48,28 @@ LOG_INTERVAL_S = 30.0
 
 
 class AdaptiveBudget:
-    """template: the pool of nodes (on the matrix's device); topk: the matrix's k."""
+    """hybrid: the pool of nodes (on the matrix's device): the matrix template's, and the
+    context chain's when it has one; topk: the matrix's k."""
 
-    def __init__(self, template: TreeTemplate, topk: int, device: torch.device) -> None:
-        self.template = template
+    def __init__(self, hybrid: HybridTree, topk: int, device: torch.device) -> None:
+        self.hybrid = hybrid
+        self.template = template = hybrid.tree
         self.calibration = Calibration(device)
         # A flat prior until the start-up profile (patches.runner.ProfileStepCost) replaces it.
         self.cost = StepCost([1, 1 << 20], [0.0, 0.0])
-        self.chain = chain_nodes(template.parent, template.rank).numpy()
+        # the chains verified without tree attention: the matrix's rank-0 chain, the context chain
+        self.chains = np.stack([chain_nodes(template.parent, template.rank).numpy()] + (
+            [np.isin(np.arange(1, template.num_nodes + 1), hybrid.context_nodes.cpu().numpy())]
+            if hybrid.context_length else []
+        ))
         self._parent = template.parent.clamp(min=0).to(device)
         self._parent_np = template.parent.clamp(min=0).cpu().numpy()
         # per non-root node: 1 below the first level (the calibration's second table)
         self._deep = (np.arange(1, template.num_nodes + 1) >= template.level_starts[2]).astype(np.int64)
-        first_level = [p for p in template.paths if len(p) == 1]
+        self._context_cols = hybrid.context_nodes.cpu().numpy() - 1  # their columns, root excluded
+        # the hybrid nodes of the matrix's first level, in rank order (what ``_unsent`` reads)
+        self._first_nodes = hybrid.matrix_nodes[1 : 1 + sum(len(p) == 1 for p in hybrid.matrix.paths)].cpu().numpy()
+        first_level = [p for p in hybrid.matrix.paths if len(p) == 1]
         self._first_level = load_tree(first_level, topk).to(device)
         self._last_end: float | None = None
         self._prev_batch: set[str] = set()
@@ -110,11 +122,13 @@ class AdaptiveBudget:
         batch: list[str],
         num_decoding: int,
         base_tokens: int,
+        context: Context | None = None,
     ) -> tuple[dict[int, list[int]], Proposal]:
         """The drafts of the requests ``active`` (batch indices; roots [len(active)] their last
-        tokens, slots their matrix slots): batch index -> drafts in breadth-first order, for those
-        sent any, and the ``Proposal`` that records them. num_decoding: requests of the batch
-        that decode; base_tokens: the step's tokens without drafts."""
+        tokens, slots their matrix slots, context their context matches): batch index -> drafts
+        in breadth-first order, for those sent any, and the ``Proposal`` that records them.
+        num_decoding: requests of the batch that decode; base_tokens: the step's tokens without
+        drafts."""
         num_nodes = self.template.num_nodes
         if nothing_pays(self.calibration.max_edge, self.cost, num_decoding, base_tokens, len(active) * num_nodes):
             # no node survives more than the calibration's best edge, and that does not pay:
@@ -124,12 +138,18 @@ class AdaptiveBudget:
             tokens, conf = matrix.draft(roots, self._first_level, slots, with_probs=True)
             tokens_np, conf_np = _to_host(tokens[:, 1:], conf[:, 1:])
             every = np.ones(len(active), dtype=bool)
-            unsent = self._unsent(active, batch, tokens_np, conf_np, every)
+            unsent = self._unsent(active, batch, tokens_np, conf_np, every, context)
             return {}, Proposal(unsent=unsent, predicted_seconds=decision.seconds)
-        tokens, conf = matrix.draft(roots, self.template, slots, with_probs=True)
-        survival = self.calibration.survival(conf, self._parent, self.template.level_starts)
-        tokens_np, conf_np, survival_np = _to_host(tokens[:, 1:], conf[:, 1:], survival[:, 1:])
-        decision = admit(survival_np, self.chain, num_decoding, base_tokens, self.cost)
+        tokens, conf = draft(matrix, self.hybrid, roots, slots, context, with_probs=True)
+        if tokens.device.type == "cpu":  # survival in numpy: cheaper than torch on small arrays
+            survival = self.calibration.survival(conf.numpy(), self._parent_np, self.template.level_starts)
+            tokens_np, conf_np, survival_np = tokens[:, 1:].numpy(), conf[:, 1:].numpy(), survival[:, 1:]
+        else:  # survival on the device, then everything to the host in one copy
+            survival = self.calibration.survival(conf, self._parent, self.template.level_starts)
+            tokens_np, conf_np, survival_np = _to_host(tokens[:, 1:], conf[:, 1:], survival[:, 1:])
+        if self.hybrid.context_length:  # a context node without a token is never sent
+            survival_np[:, self._context_cols] *= False if context is None else context.valid
+        decision = admit(survival_np, self.chains, num_decoding, base_tokens, self.cost)
         mask = self._record(decision)
         bins = self.calibration.bins(conf_np, self._deep)
         drafts, sent = {}, {}
@@ -138,26 +158,35 @@ class AdaptiveBudget:
             if nodes.size:
                 drafts[i] = tokens_np[k, nodes].tolist()
                 sent[batch[i]] = (nodes + 1, bins[k, nodes])
-        unsent = self._unsent(active, batch, tokens_np, conf_np, ~mask.any(axis=1))
+        first = tokens_np[:, self._first_nodes - 1], conf_np[:, self._first_nodes - 1]
+        unsent = self._unsent(active, batch, *first, ~mask.any(axis=1), context)
         return drafts, Proposal(sent=sent, unsent=unsent, predicted_seconds=decision.seconds)
 
     def _unsent(self, active: list[int], batch: list[str], tokens: np.ndarray, conf: np.ndarray,
-                rows: np.ndarray) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+                rows: np.ndarray, context: Context | None) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """For the requests ``active[k]`` with ``rows[k]`` (sent no drafts), the tokens and
-        confidence bins of their first-level nodes from written rows, for ``learn``. tokens /
-        conf [len(active), >= first-level nodes]: the drafted nodes below the root,
-        breadth-first as in the template (host arrays the caller already holds)."""
+        confidence bins of their first-level matrix nodes from written rows, and of the context
+        chain's first node where it has one, for ``learn``. tokens / conf [len(active), >=
+        first-level nodes]: the matrix's first level, in rank order (host arrays the caller
+        already holds)."""
         if not rows.any():
             return {}
         end = self._first_level.num_nodes
         first_tokens, first_conf = tokens[:, :end], conf[:, :end]
+        if context is not None and self.hybrid.context_length:  # a match's first token too
+            has = context.match_len > 0
+            first_tokens = np.concatenate([first_tokens, np.where(has, context.tokens[:, 0], -1)[:, None]], 1)
+            ctx_conf = context_bins(context.match_len, 1)
+            first_conf = np.concatenate([first_conf, ctx_conf], 1)
         first_bins = self.calibration.bins(first_conf, 0)
         # the first level is the root's row: one never written (every probability 0) drafts
-        # token 0 at every rank, no trials (a prior row's are negative: trials of its tables)
-        return {
-            batch[active[k]]: (first_tokens[k], first_bins[k])
-            for k in np.flatnonzero(rows & (np.abs(first_conf).max(axis=1) > 0))
-        }
+        # token 0 at every rank, no trials (a prior row's are negative: trials of its tables);
+        # a node without a token (-1: no match) is no trial either
+        out = {}
+        for k in np.flatnonzero(rows & (np.abs(first_conf).max(axis=1) > 0)):
+            keep = first_tokens[k] >= 0
+            out[batch[active[k]]] = (first_tokens[k][keep], first_bins[k][keep])
+        return out
 
     def _record(self, decision: Admission) -> np.ndarray:
         """Keep the step's decision (benchmarks, tests, the log) and its checksum (the ranks of

@@ -44,9 +44,20 @@ import numpy as np
 import torch
 
 NUM_BINS = 16
-# edges from the root, deeper edges; the same two for rows the model's prior filled
-NUM_TABLES = 4
+# edges from the root, deeper edges; the same two for rows the model's prior filled; context
+# edges (the context branch: a match of the request's own history, not a matrix row)
+NUM_TABLES = 5
 PRIOR_TRIALS = 4.0
+# A context edge's "confidence" is CONTEXT_CONF + its bin (``context_bins``): matrix
+# confidences lie in [-1, 1], so one tensor carries both through the survival product.
+CONTEXT_CONF = 2.0
+# The context table's bins: a match of at least CONTEXT_MATCH[g] tokens (the last group that
+# holds), at a depth of 1, 2, 3 or more; its prior rate for each group. Learnt on SmolLM2 (13
+# Spec-Bench prompts x 128 tokens, 2026-11-26): 1-token matches ~0.1, 2-token 0.3-0.55,
+# 3-token 0.6-0.7, 4+ 0.85-0.9, better deeper (the parent was accepted).
+CONTEXT_MATCH = (1, 2, 3, 4, 8)
+CONTEXT_DEPTHS = 3
+CONTEXT_PRIOR = (0.1, 0.3, 0.5, 0.7, 0.8)
 # The prior acceptance of a bin: this times its confidence, for edges from the root and for
 # deeper ones (stale rows are confident; deeper edges learn only from drafts sent, so their
 # prior must let some be sent). The measurements behind it: docs/design.md, "Constants".
@@ -114,10 +125,15 @@ class Calibration:
     def __init__(self, device: torch.device | str = "cpu", num_bins: int = NUM_BINS) -> None:
         centers = ((np.arange(num_bins) + 0.5) / num_bins) ** 2  # the confidence at each bin's middle
         # NUM_TABLES tables of num_bins: edges from the root (the first level), deeper edges,
-        # then the same two for prior rows; learnt counts (forgotten) and the prior's (kept)
+        # then the same two for prior rows, then context edges; learnt counts (forgotten) and
+        # the prior's (kept)
         scales = PRIOR_SCALE + PRIOR_SCALE
+        context = np.zeros(num_bins)
+        context[: len(CONTEXT_PRIOR) * CONTEXT_DEPTHS] = np.repeat(CONTEXT_PRIOR, CONTEXT_DEPTHS)
         self.prior_trials = np.full(NUM_TABLES * num_bins, PRIOR_TRIALS)
-        self.prior_hits = np.concatenate([scale * centers * PRIOR_TRIALS for scale in scales])
+        self.prior_hits = np.concatenate(
+            [scale * centers * PRIOR_TRIALS for scale in scales] + [context * PRIOR_TRIALS]
+        )
         self.trials = np.zeros(NUM_TABLES * num_bins)
         self.hits = np.zeros(NUM_TABLES * num_bins)
         self.num_bins = num_bins
@@ -129,11 +145,17 @@ class Calibration:
     def bins(self, conf, deep):
         """The table index of each edge: the bin of its confidence |conf|, in the second table
         when ``deep`` (its parent is not the root), two tables further when conf < 0 (a prior
-        row). Works on tensors and arrays alike."""
+        row); a context edge (conf >= CONTEXT_CONF) in the context table, at bin conf -
+        CONTEXT_CONF. Works on tensors and arrays alike."""
+        n = self.num_bins
         if isinstance(conf, np.ndarray):
             prior = (conf < 0).astype(np.int64)
-            return confidence_bins(np.abs(conf), self.num_bins) + self.num_bins * (deep + 2 * prior)
-        return confidence_bins(conf.abs(), self.num_bins) + self.num_bins * (deep + 2 * (conf < 0).long())
+            matrix = confidence_bins(np.abs(conf), n) + n * (deep + 2 * prior)
+            context = 4 * n + np.clip(conf - CONTEXT_CONF, 0, n - 1).astype(np.int64)
+            return np.where(conf >= CONTEXT_CONF, context, matrix)
+        matrix = confidence_bins(conf.abs(), n) + n * (deep + 2 * (conf < 0).long())
+        context = 4 * n + (conf - CONTEXT_CONF).clamp(0, n - 1).long()
+        return torch.where(conf >= CONTEXT_CONF, context, matrix)
 
     def observe(self, bins: np.ndarray, accepted: np.ndarray) -> None:
         """bins [n] int (``bins``): the edges of nodes whose parent was accepted; accepted [n]
@@ -153,25 +175,34 @@ class Calibration:
 
     def _set_table(self) -> float:
         """Write the pooled rates of each table into ``table`` (in place: no new tensor per
-        step); returns the largest, from the host copy (no device read)."""
+        step) and its host copy ``rates``; returns the largest, from the host copy (no device
+        read)."""
         n = self.num_bins
         trials = self.trials + self.prior_trials
         raw = (self.hits + self.prior_hits) / trials
+        # the matrix tables kept non-decreasing in confidence; the context table's bins are
+        # (match length, depth) pairs, with no order to keep
         rates = np.concatenate(
-            [monotone(raw[t * n : (t + 1) * n], trials[t * n : (t + 1) * n]) for t in range(NUM_TABLES)]
+            [monotone(raw[t * n : (t + 1) * n], trials[t * n : (t + 1) * n]) for t in range(4)]
+            + [raw[4 * n :]]
         )
         self.table.copy_(torch.from_numpy(rates))
-        return float(rates[n - 1 :: n].max())
+        self.rates = rates.astype(np.float32)
+        return float(max(rates[n - 1 : 4 * n : n].max(), rates[4 * n :].max()))
 
-    def survival(self, conf: torch.Tensor, parent: torch.Tensor, level_starts: tuple[int, ...]) -> torch.Tensor:
-        """conf [R, M] (node 0 the root, breadth-first) -> survival [R, M] (1 at the root).
-        parent [M] int64 node index of each node's parent."""
-        key = (conf.shape[-1], level_starts[2], conf.device)
+    def survival(self, conf, parent, level_starts: tuple[int, ...]):
+        """conf [R, M] (node 0 the root, breadth-first) -> survival [R, M] (1 at the root);
+        parent [M] int64: each node's parent. Tensors on any device (the drafts' device, no
+        copy to the host), or host arrays (on a CPU: a few small numpy calls per level cost
+        less than torch's)."""
+        host = isinstance(conf, np.ndarray)
+        key = (conf.shape[-1], level_starts[2], "host" if host else conf.device)
         deep = self._deep.get(key)
         if deep is None:  # 1 below the first level; made once per template
-            deep = self._deep[key] = (torch.arange(key[0], device=conf.device) >= key[1]).long()
-        edge = self.table[self.bins(conf, deep)]
-        survival = torch.ones_like(edge)
+            deep = np.arange(key[0]) >= key[1]
+            deep = self._deep[key] = deep.astype(np.int64) if host else torch.from_numpy(deep).long().to(conf.device)
+        edge = (self.rates if host else self.table)[self.bins(conf, deep)]
+        survival = np.ones_like(edge) if host else torch.ones_like(edge)
         for d in range(1, len(level_starts) - 1):  # one product per level, never per node
             s, e = level_starts[d], level_starts[d + 1]
             survival[:, s:e] = survival[:, parent[s:e]] * edge[:, s:e]
@@ -304,8 +335,9 @@ def admit(
     cost: Callable[[np.ndarray, np.ndarray], np.ndarray],
 ) -> Admission:
     """survival [R, N] of the non-root nodes (breadth-first, host values or a tensor); chain
-    [N] bool: the nodes of the template's rank-0 chain; num_decoding: tokens the step yields
-    without drafts (R);
+    [N] bool, or [C, N] for several: the nodes of a chain of the template (its rank-0 chain,
+    the context chain), each verified without tree attention; num_decoding: tokens the step
+    yields without drafts (R);
     base_tokens: the step's tokens without drafts; cost(tokens, trees, drafted) -> seconds,
     elementwise (drafted: 1 for B >= 1).
 
@@ -318,23 +350,30 @@ def admit(
     surv = _host(survival).astype(np.float64, copy=False).reshape(-1)
     if not surv.size or nothing_pays(float(surv.max()), cost, num_decoding, base_tokens, surv.size):
         return no_drafts(num_req, num_nodes, num_decoding, base_tokens, cost)
-    on_chain = np.tile(_host(chain).astype(bool), num_req)
+    chains = np.atleast_2d(_host(chain).astype(bool))
     sizes = np.arange(surv.size + 1)
+    request = np.arange(surv.size) // num_nodes
     best = None
-    for tree in (False, True):
+    # each chain alone (every request on it: no tree attention), then the whole tree
+    for on_chain in [np.tile(c, num_req) for c in chains] + [None]:
+        tree = on_chain is None
         flat = surv if tree else surv * on_chain
         order = np.argsort(-flat, kind="stable")  # descending; ties keep the lower index first
         gains = np.zeros(surv.size + 1)
         gains[1:] = np.cumsum(flat[order], dtype=np.float64)
         trees = np.zeros(surv.size + 1)
         if tree:
-            # requests with a node off their chain among the first B: each request's first such
-            # node in the order counts once
-            off = np.flatnonzero(~on_chain[order])
-            _, first = np.unique(order[off] // num_nodes, return_index=True)
-            is_first = np.zeros(surv.size, dtype=np.int64)
-            is_first[off[first]] = 1
-            trees[1:] = np.cumsum(is_first)
+            # a request's nodes form a tree once they lie on no single chain: from the position
+            # in the order of its first node off each chain, the latest of those
+            position = np.empty(surv.size, dtype=np.int64)
+            position[order] = np.arange(surv.size)
+            onset = np.zeros(num_req, dtype=np.int64)
+            for c in chains:
+                off = ~np.tile(c, num_req)
+                first = np.full(num_req, surv.size, dtype=np.int64)
+                np.minimum.at(first, request[off], position[off])
+                onset = np.maximum(onset, first)
+            trees[1:] = np.cumsum(np.bincount(onset[onset < surv.size], minlength=surv.size))
         value = (num_decoding + gains) / cost(base_tokens + sizes, trees, sizes > 0)
         b = int(np.argmax(value))
         if best is None or value[b] > best[0] * (1 + 1e-9):
@@ -392,3 +431,15 @@ def profile_sizes(max_tokens: int) -> list[int]:
         n = n + 1 if n < 4 else int(math.ceil(n * 1.5))
     sizes.append(max_tokens)
     return sizes
+
+
+def context_bins(match_len: np.ndarray, length: int) -> np.ndarray:
+    """[B, length] float: the context table's "confidence" (CONTEXT_CONF + bin) of each context
+    chain node of requests whose match has ``match_len`` [B] tokens: bin = group * CONTEXT_DEPTHS
+    + min(depth, CONTEXT_DEPTHS) - 1, the group the last of CONTEXT_MATCH the match reaches;
+    0 (no confidence) where there is no match."""
+    n = np.asarray(match_len, dtype=np.int64)
+    group = np.searchsorted(np.asarray(CONTEXT_MATCH), n, side="right") - 1
+    depth = np.minimum(np.arange(length), CONTEXT_DEPTHS - 1)
+    conf = CONTEXT_CONF + group[:, None] * CONTEXT_DEPTHS + depth[None, :]
+    return np.where(n[:, None] >= CONTEXT_MATCH[0], conf, 0.0).astype(np.float32)

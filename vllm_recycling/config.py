@@ -44,6 +44,8 @@ MAX_TOPK = 64
 MAX_SALT_MATRICES = 4096
 DEFAULT_TOPK = 8
 DEFAULT_CHAIN_LENGTH = 6
+# Nodes of the context branch (``context_match``): the depth a context match drafts to.
+CONTEXT_LENGTH = 16
 
 
 class RecyclingConfigError(ValueError):
@@ -82,6 +84,10 @@ class RecyclingConfig:
     matrix_init: what every new matrix starts from. "model" (default): the model's own top-k
         after each token (``prior.py``), computed once per model and cached; a snapshot, when
         there is one, still replaces it for the shared matrix. "empty": every entry token 0.
+    context_match: verify="tree": the tree also holds a context branch, the tokens that
+        followed the longest recent match of the request's own history (prompt and output)
+        earlier in it (what vLLM's ngram method drafts); the budget sends it by how often such
+        matches are accepted. False: the matrix's tree alone.
     verify: "tree" (default): the tree's nodes are drafted and verified in one forward pass;
         "chain": the matrix's top-1 chain, verified by vLLM's rejection sampler as it is.
     num_speculative_tokens: tokens drafted per step. verify="tree": the first that many nodes
@@ -104,6 +110,7 @@ class RecyclingConfig:
     num_speculative_tokens: int | None = None
     budget: str = "auto"
     matrix_init: str = "model"
+    context_match: bool = True
 
     def __post_init__(self) -> None:
         if not _is_int(self.topk) or not 1 <= self.topk <= MAX_TOPK:
@@ -154,6 +161,8 @@ class RecyclingConfig:
             raise _field_error("budget", self.budget, _one_of(BUDGETS))
         if self.matrix_init not in MATRIX_INITS:
             raise _field_error("matrix_init", self.matrix_init, _one_of(MATRIX_INITS))
+        if not isinstance(self.context_match, bool):
+            raise _field_error("context_match", self.context_match, "expected true or false")
         tree = self.tree
         if isinstance(tree, (list, tuple)):
             # Inline paths: tuples keep the dataclass hashable; compile_tree checks the content.
@@ -238,6 +247,18 @@ class RecyclingConfig:
             return load_tree(tree, topk=self.topk)
         except TreeTemplateError as e:
             raise RecyclingConfigError(f'speculative_config["tree"]: {e}') from e
+
+    @property
+    def context_length(self) -> int:
+        """The context branch's nodes: CONTEXT_LENGTH with context_match in tree mode (a chain
+        verifier takes one chain), else 0."""
+        return CONTEXT_LENGTH if self.context_match and self.verify == "tree" else 0
+
+    @property
+    def max_drafts(self) -> int:
+        """The most drafts a request is sent in a step (vLLM's ``num_speculative_tokens``):
+        the template's nodes and the context branch's."""
+        return self.num_speculative_tokens + self.context_length
 
     def draft_template(self) -> TreeTemplate:
         """What each step drafts: verify="tree": the tree's first num_speculative_tokens nodes

@@ -27,12 +27,14 @@ import numpy as np
 import torch
 
 from vllm_recycling.adaptive_budget import AdaptiveBudget
+from vllm_recycling.drafts import Context, draft
 from vllm_recycling.config import RecyclingConfig
 from vllm_recycling.matrix import AdjacencyMatrix
 from vllm_recycling.prior import find_prior
 from vllm_recycling.slots import MatrixSlots
-from vllm_recycling.step import ACTIVE_TREE, NO_PROPOSAL, StepPlan, StepRecord, Verification
+from vllm_recycling.step import ACTIVE_TREE, NO_PROPOSAL, Proposal, StepPlan, StepRecord, Verification
 from vllm_recycling.transfer import StagedBuffer, to_device
+from vllm_recycling.tree import hybrid_tree
 from vllm_recycling.verifier import TreeVerifier
 
 _NO_NODES = np.zeros(0, dtype=np.int64)
@@ -50,6 +52,7 @@ class RecyclingProposer:
         max_requests = vllm_config.scheduler_config.max_num_seqs
         self.max_model_len = model_config.max_model_len
         self.template = self.config.draft_template().to(device)
+        self.hybrid = hybrid_tree(self.template, self.config.context_length, self.config.topk).to(device)
         auto = self.config.budget == "auto"
         prior = find_prior(model_config, self.config.topk) if self.config.matrix_init == "model" else None
         self.matrix = AdjacencyMatrix(
@@ -65,8 +68,8 @@ class RecyclingProposer:
             prior=prior,
         )
         self.slots = MatrixSlots(self.matrix, self.config, max_requests)
-        self.budget = AdaptiveBudget(self.template, self.config.topk, device) if auto else None
-        self.verifier = TreeVerifier(self.template, device) if self.config.verify == "tree" else None
+        self.budget = AdaptiveBudget(self.hybrid, self.config.topk, device) if auto else None
+        self.verifier = TreeVerifier(self.hybrid.tree, device) if self.config.verify == "tree" else None
         self.batch: list[str] = []  # the step's request ids, in batch order
         # per request of the batch: True when it must get no drafts (structured output)
         self._no_drafts: list[bool] = []
@@ -118,8 +121,9 @@ class RecyclingProposer:
         ]
         tree = None
         if num_draft_tokens is not None and self.verifier is not None:
-            nodes = None
-            if self.budget is not None:  # no record: drafts this proposer did not send (chains)
+            nodes = None  # every request the template's first nodes (budget fixed, no context)
+            if self.budget is not None or self.hybrid.context_length:
+                # no record: drafts this proposer did not send (verified as chains)
                 nodes = [self.proposal.sent.get(r, (_NO_NODES,))[0] for r in self.batch]
             tree = self.verifier.plan(num_draft_tokens, query_start_loc, num_computed_tokens, nodes)
         ACTIVE_TREE.publish(tree)
@@ -210,15 +214,38 @@ class RecyclingProposer:
             return drafts
         roots = self._roots.fill([sampled_token_ids[i][-1] for i in active])
         slots = self.slots.of([self.batch[i] for i in active]) if self.slots.scoped else None
+        context = Context.find(token_ids_cpu, active, np.asarray(num_tokens_no_spec)[active],
+                               self.hybrid.context_length)
         if self.budget is None:
-            chains = self.matrix.draft(roots, self.template, slots)[:, 1:].tolist()
-            for i, chain in zip(active, chains):
-                drafts[i] = chain
-            return drafts
+            return self._every_node(drafts, active, roots, slots, context)
         num_decoding = sum(1 for x in sampled_token_ids if x)
         chosen, self.proposal = self.budget.propose(
-            self.matrix, roots, slots, active, self.batch, num_decoding, len(sampled_token_ids)
+            self.matrix, roots, slots, active, self.batch, num_decoding, len(sampled_token_ids),
+            context,
         )
         for i, tokens in chosen.items():
             drafts[i] = tokens
+        return drafts
+
+    def _every_node(self, drafts: list[list[int]], active: list[int], roots: torch.Tensor,
+                    slots: torch.Tensor | None, context: Context | None) -> list[list[int]]:
+        """budget "fixed": every node of the template (or the chain) for the requests
+        ``active``; with the context branch, every matrix node and the context nodes that have
+        a token, recorded in the proposal (each request's tree is then its own)."""
+        tokens = draft(self.matrix, self.hybrid, roots, slots, context)[:, 1:].cpu().numpy()
+        if not self.hybrid.context_length:
+            for i, row in zip(active, tokens.tolist()):
+                drafts[i] = row
+            return drafts
+        send = np.ones(tokens.shape, dtype=bool)
+        if context is None:
+            send[:, self.hybrid.context_nodes.cpu().numpy() - 1] = False
+        else:
+            send[:, self.hybrid.context_nodes.cpu().numpy() - 1] = context.valid
+        sent = {}
+        for k, i in enumerate(active):  # vLLM takes one Python list of drafts per request
+            nodes = np.flatnonzero(send[k])
+            drafts[i] = tokens[k, nodes].tolist()
+            sent[self.batch[i]] = (nodes + 1, np.zeros(nodes.size, dtype=np.int64))
+        self.proposal = Proposal(sent=sent)
         return drafts

@@ -166,3 +166,46 @@ def compile_tree(paths: Sequence[Sequence[int]], topk: int, name: str = "inline"
         rank_path=rank_path,
         level_starts=level_starts,
     )
+
+
+@dataclass(frozen=True)
+class HybridTree:
+    """The draft tree of the context branch: the matrix template's nodes, plus a chain of
+    ``context_length`` nodes under the root whose tokens are the request's context match
+    (``kernels.context_match``), not matrix rows. Compiled as one template (``tree``: what
+    verification and the budget see) whose context nodes come first in their level, so that
+    where a context node and a matrix sibling hold the same token the walk follows the
+    context chain; ``matrix`` is what the draft kernel gathers.
+
+    matrix_nodes [Nm+1] int64: the hybrid node of each matrix template node (root 0).
+    context_nodes [C] int64: the hybrid node of the context chain's depth 1..C.
+    """
+
+    tree: TreeTemplate
+    matrix: TreeTemplate
+    matrix_nodes: torch.Tensor
+    context_nodes: torch.Tensor
+
+    @property
+    def context_length(self) -> int:
+        return int(self.context_nodes.numel())
+
+    def to(self, device: torch.device | str) -> "HybridTree":
+        return HybridTree(self.tree.to(device), self.matrix.to(device), self.matrix_nodes.to(device),
+                          self.context_nodes.to(device))
+
+
+def hybrid_tree(matrix: TreeTemplate, context_length: int, topk: int) -> HybridTree:
+    """``matrix`` with a context chain of ``context_length`` nodes (0: none, the matrix template
+    itself). The chain's first node takes rank ``topk`` under the root (no matrix rank), its
+    descendants rank 0 under it; the whole tree must stay within MAX_NODES and MAX_DEPTH."""
+    if context_length == 0:
+        nodes = torch.arange(matrix.num_nodes + 1)
+        return HybridTree(matrix, matrix, nodes, torch.zeros(0, dtype=torch.int64))
+    context = [(topk,) + (0,) * d for d in range(context_length)]
+    tree = compile_tree(context + list(matrix.paths), topk=topk + 1,
+                        name=f"{matrix.name}+context{context_length}")
+    index = {p: i + 1 for i, p in enumerate(tree.paths)}
+    matrix_nodes = torch.tensor([0] + [index[p] for p in matrix.paths], dtype=torch.int64)
+    context_nodes = torch.tensor([index[p] for p in context], dtype=torch.int64)
+    return HybridTree(tree, matrix, matrix_nodes, context_nodes)

@@ -85,12 +85,13 @@ def translate_recycling_spec(engine_args: Any, target_model_config: Any) -> None
     engine_args.speculative_config = {
         "method": "custom_class",
         "model": PROPOSER_CLASS,
-        "num_speculative_tokens": config.num_speculative_tokens,
+        "num_speculative_tokens": config.max_drafts,
     }
     logger.info(
-        "recycling: verify=%s, %d draft tokens per step (%s) from a %s top-%d adjacency matrix "
+        "recycling: verify=%s, %d draft tokens per step (%s%s) from a %s top-%d adjacency matrix "
         "starting %s%s",
-        config.verify, config.num_speculative_tokens, config.draft_template().name,
+        config.verify, config.max_drafts, config.draft_template().name,
+        f" and a context branch of {config.context_length}" if config.context_length else "",
         config.matrix_scope, config.topk,
         "from the model's prior" if config.matrix_init == "model" else "empty",
         f" (snapshot {config.matrix_snapshot})" if config.matrix_snapshot else "",

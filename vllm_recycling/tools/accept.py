@@ -50,10 +50,13 @@ def accept_tree(
     top_k: torch.Tensor | None = None,
     top_p: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    nodes: np.ndarray | None = None,
 ) -> AcceptedPaths:
-    """tokens [B, M] (every node of each request's tree, root first, M = the layout's nodes);
-    logits [B * M, V] (row b * M + j: the target's logits after node j of request b);
-    temperature [B] (0: greedy; None: all greedy), top_k [B] int, top_p [B] float or None."""
+    """tokens [B, M] (each request's tree, root first: every node of the layout, or the root
+    and ``nodes``, template node ids breadth-first and ancestor-closed, the same for every
+    request); logits [B * M, V] (row b * M + j: the target's logits after local node j of
+    request b); temperature [B] (0: greedy; None: all greedy), top_k [B] int, top_p [B] float
+    or None. Paths and nodes come back in local indices (0 .. M-1)."""
     batch, width = tokens.shape
     device = logits.device
     flat = tokens.reshape(-1).long()
@@ -61,6 +64,7 @@ def accept_tree(
     sampled = temperature is not None and bool((temperature > 0).any())
     step = TreeStep.plan(
         layout, np.full(batch, width - 1), np.arange(batch + 1) * width, np.zeros(batch, np.int64), device,
+        None if nodes is None else [np.asarray(nodes)] * batch,
     )
     q = q_tokens = None
     if step is None:  # a chain template: the path is the chain

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from vllm_recycling.drafts import Context, draft
 from vllm_recycling.matrix import AdjacencyMatrix
 from vllm_recycling.tools.accept import accept_tree, target_probs
-from vllm_recycling.tree import TreeTemplate
+from vllm_recycling.tree import TreeTemplate, hybrid_tree
 from vllm_recycling.tree_step import TreeLayout
 
 
@@ -44,17 +46,22 @@ class SamplingSettings:
 
 
 class ReferenceDecoder:
-    """model: a Hugging Face causal LM (Llama-like, DynamicCache); tree and matrix from the core."""
+    """model: a Hugging Face causal LM (Llama-like, DynamicCache); tree and matrix from the core;
+    context_length: the context branch's nodes (``config.CONTEXT_LENGTH`` as the plugin has it
+    by default, 0 for none). Every step verifies every matrix node and the context nodes that
+    have a token (the plugin's ``budget: "fixed"``)."""
 
-    def __init__(self, model, tree: TreeTemplate, matrix: AdjacencyMatrix) -> None:
+    def __init__(self, model, tree: TreeTemplate, matrix: AdjacencyMatrix, context_length: int = 0) -> None:
         self.model = model
         self.device = next(model.parameters()).device
-        self.tree = tree.to(self.device)
+        self.hybrid = hybrid_tree(tree, context_length, matrix.topk).to(self.device)
+        self.tree = self.hybrid.tree
         self.layout = TreeLayout.from_template(self.tree, self.device)
         self.matrix = matrix
-        n1 = tree.num_nodes + 1
+        n1 = self.tree.num_nodes + 1
         mask = torch.zeros((n1, n1), dtype=model.dtype, device=self.device)
         self.tree_bias = mask.masked_fill(~self.tree.ancestors, torch.finfo(model.dtype).min)
+        self._context = self.hybrid.context_nodes.cpu().numpy()
         # Set to a list (with a matrix that keeps probabilities) to record every step's
         # (node confidences [N+1], whether each node's token is the target's argmax at its
         # parent [N+1], root True): what the adaptive budget would have seen, and what verifying
@@ -76,7 +83,6 @@ class ReferenceDecoder:
         generator = None
         if sampling.seed is not None:
             generator = torch.Generator(self.device).manual_seed(sampling.seed)
-        n1 = self.tree.num_nodes + 1
         greedy = sampling.temperature <= 0
         temperature = None if greedy else torch.full((1,), sampling.temperature, device=self.device)
         top_k = None if sampling.top_k is None else torch.full((1,), sampling.top_k, device=self.device)
@@ -97,25 +103,34 @@ class ReferenceDecoder:
             while len(out.tokens) < max_new_tokens and out.tokens[-1] not in eos:
                 prefix = cache.get_seq_length()
                 root = torch.tensor([out.tokens[-1]], device=self.device)
-                if self.trace is not None:
-                    tokens, conf = self.matrix.draft(root, self.tree, slots, with_probs=True)
-                else:
-                    tokens = self.matrix.draft(root, self.tree, slots)
+                history = np.asarray([list(prompt_ids) + out.tokens], dtype=np.int32)
+                context = Context.find(history, [0], np.array([history.shape[1]]), self.hybrid.context_length)
+                drafted = draft(self.matrix, self.hybrid, root, slots, context, with_probs=self.trace is not None)
+                every, conf = drafted if self.trace is not None else (drafted, None)
+                nodes = self._verified_nodes(context)
+                rows = np.concatenate([[0], nodes])
+                tokens = every[:, rows]
+                sub = self.tree_bias[rows][:, rows]
                 mask = torch.cat(
-                    [torch.zeros((n1, prefix), dtype=self.tree_bias.dtype, device=self.device),
-                     self.tree_bias], dim=1)
+                    [torch.zeros((rows.size, prefix), dtype=sub.dtype, device=self.device), sub], dim=1)
                 logits = self.model(
-                    input_ids=tokens.long(),
-                    position_ids=(prefix + self.tree.depth)[None],
+                    input_ids=tokens,
+                    position_ids=(prefix + self.tree.depth[rows])[None],
                     attention_mask=mask[None, None],
                     past_key_values=cache,
                     use_cache=True,
                 ).logits[0].float()
                 argmax = self.matrix.update(tokens, logits, slots)
-                path = accept_tree(self.layout, tokens, logits, temperature, top_k, top_p, generator)
+                path = accept_tree(self.layout, tokens, logits, temperature, top_k, top_p, generator,
+                                   nodes=None if nodes.size == self.tree.num_nodes else nodes)
                 accepted = int(path.num_accepted[0])
-                if self.trace is not None:
-                    match = tokens[0].long() == argmax[self.tree.parent.clamp(min=0)]
+                if self.trace is not None:  # over every node of the tree; one not verified never matches
+                    local = np.full(self.tree.num_nodes + 1, -1)
+                    local[rows] = np.arange(rows.size)
+                    parent_row = local[self.tree.parent.clamp(min=0).cpu().numpy()]
+                    match = np.zeros(self.tree.num_nodes + 1, dtype=bool)
+                    ok = (local >= 0) & (parent_row >= 0)
+                    match[ok] = every[0, ok].cpu().numpy() == argmax[parent_row[ok]].cpu().numpy()
                     match[0] = True
                     self.trace.append((conf[0].tolist(), match.tolist()))
                 _keep_path(cache, prefix, path.nodes[0, : accepted + 1])
@@ -127,6 +142,16 @@ class ReferenceDecoder:
         finally:
             self.matrix.free(request_id)
         return out
+
+
+    def _verified_nodes(self, context) -> np.ndarray:
+        """The template nodes (root excluded, breadth-first) verified this step: every matrix node
+        and the context nodes that have a token, as the plugin's budget "fixed" sends."""
+        keep = np.ones(self.tree.num_nodes + 1, dtype=bool)
+        keep[0] = False
+        if self._context.size:
+            keep[self._context] = False if context is None else context.valid[0]
+        return np.flatnonzero(keep)
 
 
 def _keep_path(cache, prefix: int, nodes: torch.Tensor) -> None:

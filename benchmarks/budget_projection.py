@@ -45,7 +45,9 @@ UPPER_BOUND = (
     "an upper bound: the costs are whole-step CUDA-graph replays, while tree mode runs attention outside graphs (piecewise), and the budget's own work per step (0.43-0.95 ms on an H200, `make gpu`) is not charged"
 )
 COST_TABLE = RESULTS / "verify_cost_nvidia-h100-80gb-hbm3.json"
-FIXED = {"chain6": "chain", "first 16": 16, "first 32": 32, "2.2.2 (80)": 80}
+# fixed choices: the matrix's rank-0 chain, the first N nodes of the matrix's "2.2.2", all of
+# them, and all of them with the context branch (as deep as each match has tokens)
+FIXED = {"chain6": "chain", "first 16": 16, "first 32": 32, "2.2.2 (80)": 80, "2.2.2 + context": "all"}
 WARMUP_ROUNDS, ROUNDS = 50, 300
 
 
@@ -53,7 +55,9 @@ def trace_reference(args) -> dict:
     """Run the reference decoder over the sample; returns {"conf": [S, M], "match": [S, M]}."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from vllm_recycling.config import CONTEXT_LENGTH
     from vllm_recycling.matrix import AdjacencyMatrix
+    from vllm_recycling.prior import PriorError, load_prior, prior_path
     from vllm_recycling.tools.models import prepare_model
     from vllm_recycling.tools.prompts import chat_prompt_ids, spec_bench_questions
     from vllm_recycling.tools.reference import ReferenceDecoder
@@ -62,8 +66,13 @@ def trace_reference(args) -> dict:
     path = str(prepare_model(args.model))
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    matrix = AdjacencyMatrix(model.config.vocab_size, 8, with_probs=True)
-    decoder = ReferenceDecoder(model, load_tree("2.2.2", 8), matrix)
+    vocab = model.config.vocab_size
+    try:  # the plugin's default start: the model's prior (`vllm-recycling warm` caches it)
+        prior = load_prior(prior_path(path, None, vocab, 8), vocab, 8)
+    except PriorError:
+        prior = None
+    matrix = AdjacencyMatrix(vocab, 8, with_probs=True, prior=prior)
+    decoder = ReferenceDecoder(model, load_tree("2.2.2", 8), matrix, context_length=CONTEXT_LENGTH)
     decoder.trace = []
     for q in spec_bench_questions(per_category=args.per_category):
         decoder.generate(chat_prompt_ids(tokenizer, q["turns"][0]), args.max_tokens,
@@ -113,29 +122,41 @@ def accepted_tokens(mask: np.ndarray, match: np.ndarray, parent: np.ndarray, lev
 
 
 def simulate(trace, cost, batch: int, seed: int) -> dict:
-    from vllm_recycling.budget import Calibration, admit, chain_nodes
-    from vllm_recycling.tree import load_tree
+    from vllm_recycling.budget import CONTEXT_CONF, Calibration, admit, chain_nodes
+    from vllm_recycling.config import CONTEXT_LENGTH
+    from vllm_recycling.tree import hybrid_tree, load_tree
 
-    tree = load_tree("2.2.2", 8)
+    hybrid = hybrid_tree(load_tree("2.2.2", 8), CONTEXT_LENGTH, 8)
+    tree = hybrid.tree
     parent = tree.parent.clamp(min=0)
     parent_np, levels = parent.numpy(), tree.level_starts
-    chain = chain_nodes(tree.parent, tree.rank)
-    chain_np = np.concatenate([[True], chain.numpy()])
+    context = np.zeros(tree.num_nodes + 1, dtype=bool)
+    context[hybrid.context_nodes.numpy()] = True
+    chain_np = np.concatenate([[True], chain_nodes(tree.parent, tree.rank).numpy()])
+    chains = np.stack([chain_np[1:], context[1:]])
     deep = (np.arange(tree.num_nodes + 1) >= levels[2]).astype(np.int64)
     cal = Calibration()
     rng = np.random.default_rng(seed)
     fixed_masks = {}
+    matrix_nodes = hybrid.matrix_nodes.numpy()
     for name, n in FIXED.items():
-        m = chain_np.copy() if n == "chain" else np.arange(tree.num_nodes + 1) <= n
+        if n == "chain":
+            m = chain_np.copy()
+        elif n == "all":
+            m = np.ones(tree.num_nodes + 1, dtype=bool)  # context nodes: where they have a token
+        else:
+            m = np.zeros(tree.num_nodes + 1, dtype=bool)
+            m[matrix_nodes[: n + 1]] = True
         fixed_masks[name] = m
     totals = {"plain": [0, 0.0], "auto": [0, 0.0], **{k: [0, 0.0] for k in FIXED}}
     admitted = 0
     for r in range(WARMUP_ROUNDS + ROUNDS):
         idx = rng.integers(0, len(trace["conf"]), size=batch)
-        conf = torch.from_numpy(trace["conf"][idx])
+        conf = trace["conf"][idx]
         match = trace["match"][idx]
-        survival = cal.survival(conf, parent, levels)
-        got = admit(survival[:, 1:], chain, batch, batch, cost)
+        has_token = ~context | (conf >= CONTEXT_CONF)  # a context node without a token is never sent
+        survival = cal.survival(conf, parent_np, levels) * has_token
+        got = admit(survival[:, 1:], chains, batch, batch, cost)
         mask = np.concatenate([np.ones((batch, 1), bool), got.mask], axis=1)
         ok = accepted_nodes(mask, match, parent_np, levels)
         acc = ok[:, 1:].sum(axis=1)
@@ -145,10 +166,11 @@ def simulate(trace, cost, batch: int, seed: int) -> dict:
         tried[:, 0] = False
         hit = ok.copy()
         first = slice(1, levels[2])
-        idle = ~mask[:, 1:].any(axis=1) & (trace["conf"][idx][:, first].max(axis=1) > 0)
+        idle = ~mask[:, 1:].any(axis=1) & (np.abs(conf[:, first]).max(axis=1) > 0)
         tried[idle, first] = True
         hit[idle, first] = match[idle, first]
-        cal.observe(cal.bins(trace["conf"][idx], deep)[tried], hit[tried])
+        tried &= has_token
+        cal.observe(cal.bins(conf, deep)[tried], hit[tried])
         if r < WARMUP_ROUNDS:
             continue
         admitted += got.num_admitted
@@ -157,9 +179,10 @@ def simulate(trace, cost, batch: int, seed: int) -> dict:
         totals["plain"][0] += batch
         totals["plain"][1] += float(cost(np.array([batch]))[0])
         for name, m in fixed_masks.items():
-            a = accepted_tokens(np.broadcast_to(m, mask.shape).copy(), match, parent_np, levels)
+            sent = np.broadcast_to(m, mask.shape) & has_token
+            a = accepted_tokens(sent.copy(), match, parent_np, levels)
             totals[name][0] += batch + int(a.sum())
-            totals[name][1] += float(cost(np.array([batch * int(m.sum())]))[0])
+            totals[name][1] += float(cost(np.array([int(sent.sum())]))[0])
     plain_rate = totals["plain"][0] / totals["plain"][1]
     out = {"admitted_per_request": admitted / ROUNDS / batch}
     for name, (tokens, seconds) in totals.items():
@@ -170,28 +193,27 @@ def simulate(trace, cost, batch: int, seed: int) -> dict:
 
 def time_budget(batch: int, reps: int = 50, device: str | torch.device = "cpu") -> float:
     """Median seconds of the budget's per-step work after drafting, as the proposer does it
-    (``AdaptiveBudget.propose``): survival on the drafts' device, drafts, confidences and
-    survival read to the host in one copy, admission and calibration bins there. With the
-    drafts on ``device``; ``benchmarks/kernels.py`` calls it on a GPU."""
-    from vllm_recycling.adaptive_budget import _to_host
-    from vllm_recycling.budget import Calibration, StepCost, admit, chain_nodes
+    (``AdaptiveBudget.propose``): drafts and confidences read to the host in one copy, survival,
+    admission and calibration bins there. With the drafts on ``device``; ``benchmarks/kernels.py``
+    calls it on a GPU."""
+    from vllm_recycling.budget import Calibration, StepCost, admit, chain_nodes, to_host
     from vllm_recycling.tree import load_tree
 
-    tree = load_tree("2.2.2", 8).to(device)
-    parent = tree.parent.clamp(min=0)
+    tree = load_tree("2.2.2", 8)
+    parent = tree.parent.clamp(min=0).numpy()
     chain = chain_nodes(tree.parent, tree.rank).numpy()
     deep = (np.arange(1, tree.num_nodes + 1) >= tree.level_starts[2]).astype(np.int64)
-    cal, cost = Calibration(device), StepCost([1, 64, 512], [0.03, 0.06, 0.5])
+    cal, cost = Calibration(), StepCost([1, 64, 512], [0.03, 0.06, 0.5])
     gen = torch.Generator().manual_seed(batch)
     conf = torch.rand(batch, tree.num_nodes + 1, generator=gen).to(device)
     tokens = torch.randint(0, 32000, (batch, tree.num_nodes + 1), generator=gen, dtype=torch.int32).to(device)
     runs = []
     for _ in range(reps + 5):  # the first calls (allocations, kernel loads) not counted
         t0 = time.perf_counter()
-        survival = cal.survival(conf, parent, tree.level_starts)
-        _, conf_np, survival_np = _to_host(tokens[:, 1:], conf[:, 1:], survival[:, 1:])
-        admit(survival_np, chain, batch, batch, cost)
-        cal.bins(conf_np, deep)
+        _, conf_np = to_host(tokens, conf)
+        survival = cal.survival(conf_np, parent, tree.level_starts)
+        admit(survival[:, 1:], chain, batch, batch, cost)
+        cal.bins(conf_np[:, 1:], deep)
         runs.append(time.perf_counter() - t0)
     return float(np.median(runs[5:]))
 

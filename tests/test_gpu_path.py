@@ -20,7 +20,7 @@ from engines import TINY_PROMPTS, check_greedy_identity, engine, greedy, spec_co
 pytestmark = [pytest.mark.slow, pytest.mark.gpu_path]
 pytest.importorskip("vllm")
 
-TOKENS = 24
+TOKENS = 16
 
 
 @pytest.fixture
@@ -80,8 +80,8 @@ def _flat_cost_and_count_subtrees(worker):
     # a fixed calibration: edges below confidence 1/256 (bin 0 of either table) never survive,
     # so low-ranked siblings stay out while nodes after them are sent
     cal = drafter.budget.calibration
-    cal.table.fill_(0.5)
-    cal.table[0] = cal.table[cal.num_bins] = 0.0
+    cal.rates[:] = 0.5
+    cal.rates[0] = cal.rates[cal.num_bins] = 0.0
     cal.observe = lambda *args, **kwargs: None
     counts = drafter._test_subtrees = [0, 0]
     plan = tree_step.TreeStep.plan.__func__

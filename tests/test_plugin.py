@@ -231,8 +231,8 @@ def test_proposer_auto_budget_sends_what_pays_and_learns_from_it():
     proposer = make_proposer("shared", tree=[[0], [1], [0, 0]], budget="auto")
     budget = proposer.budget
     budget.cost = StepCost([1, 101], [1.0, 2.0])  # 10 ms per token on a 1 s step
-    budget.calibration.table[:] = 0.0
-    budget.calibration.table[15] = 0.9  # only confidences above 0.88 get accepted, first level
+    budget.calibration.rates[:] = 0.0
+    budget.calibration.rates[15] = 0.9  # only confidences above 0.88 get accepted, first level
     begin(proposer, ["a"])
     # token 5 -> 7 with probability ~1; 7's row was never verified (probabilities 0)
     observe(proposer, ["a"], {"a"}, torch.tensor([5]), verification_rows([7]), [0])

@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_recycling import patches, triton_path
-from vllm_recycling.config import RecyclingConfigError
-
 vllm = pytest.importorskip("vllm")
+
+from vllm_recycling import patches, triton_path  # noqa: E402  (needs vLLM)
+from vllm_recycling.config import RecyclingConfigError  # noqa: E402
 
 
 def _engine_args(backend=None, config_backend=None, mode=None):

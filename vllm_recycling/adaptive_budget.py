@@ -28,6 +28,7 @@ from vllm_recycling.budget import (
     admit,
     chain_nodes,
     no_drafts,
+    to_host,
     nothing_pays,
     profile_seconds,
     profile_sizes,
@@ -54,7 +55,7 @@ class AdaptiveBudget:
     def __init__(self, hybrid: HybridTree, topk: int, device: torch.device) -> None:
         self.hybrid = hybrid
         self.template = template = hybrid.tree
-        self.calibration = Calibration(device)
+        self.calibration = Calibration()
         # A flat prior until the start-up profile (patches.runner.ProfileStepCost) replaces it.
         self.cost = StepCost([1, 1 << 20], [0.0, 0.0])
         # the chains verified without tree attention: the matrix's rank-0 chain, the context chain
@@ -62,7 +63,6 @@ class AdaptiveBudget:
             [np.isin(np.arange(1, template.num_nodes + 1), hybrid.context_nodes.cpu().numpy())]
             if hybrid.context_length else []
         ))
-        self._parent = template.parent.clamp(min=0).to(device)
         self._parent_np = template.parent.clamp(min=0).cpu().numpy()
         # per non-root node: 1 below the first level (the calibration's second table)
         self._deep = (np.arange(1, template.num_nodes + 1) >= template.level_starts[2]).astype(np.int64)
@@ -136,17 +136,14 @@ class AdaptiveBudget:
             decision = no_drafts(len(active), num_nodes, num_decoding, base_tokens, self.cost)
             self._record(decision)
             tokens, conf = matrix.draft(roots, self._first_level, slots, with_probs=True)
-            tokens_np, conf_np = _to_host(tokens[:, 1:], conf[:, 1:])
+            tokens_np, conf_np = to_host(tokens[:, 1:], conf[:, 1:])
             every = np.ones(len(active), dtype=bool)
             unsent = self._unsent(active, batch, tokens_np, conf_np, every, context)
             return {}, Proposal(unsent=unsent, predicted_seconds=decision.seconds)
         tokens, conf = draft(matrix, self.hybrid, roots, slots, context, with_probs=True)
-        if tokens.device.type == "cpu":  # survival in numpy: cheaper than torch on small arrays
-            survival = self.calibration.survival(conf.numpy(), self._parent_np, self.template.level_starts)
-            tokens_np, conf_np, survival_np = tokens[:, 1:].numpy(), conf[:, 1:].numpy(), survival[:, 1:]
-        else:  # survival on the device, then everything to the host in one copy
-            survival = self.calibration.survival(conf, self._parent, self.template.level_starts)
-            tokens_np, conf_np, survival_np = _to_host(tokens[:, 1:], conf[:, 1:], survival[:, 1:])
+        tokens_np, conf_np = to_host(tokens, conf)  # one copy from the device, survival on the host
+        survival = self.calibration.survival(conf_np, self._parent_np, self.template.level_starts)
+        tokens_np, conf_np, survival_np = tokens_np[:, 1:], conf_np[:, 1:], survival[:, 1:]
         if self.hybrid.context_length:  # a context node without a token is never sent
             survival_np[:, self._context_cols] *= False if context is None else context.valid
         decision = admit(survival_np, self.chains, num_decoding, base_tokens, self.cost)
@@ -268,13 +265,6 @@ class AdaptiveBudget:
             1e3 * a, 1e3 * b, 1e3 * c, 1e3 * d,
         )
         self._stats[:] = 0
-
-
-def _to_host(tokens: torch.Tensor, *floats: torch.Tensor) -> list[np.ndarray]:
-    """tokens [R, N] int and float tensors [R, N] on the host in one copy (one wait for the
-    device, not one per tensor): token ids travel as float32, exact below 2^24."""
-    host = torch.stack([tokens.float(), *(f.float() for f in floats)]).cpu().numpy()
-    return [host[0].astype(np.int64), *host[1:]]
 
 
 def tensor_parallel_mean():

@@ -366,7 +366,7 @@ def test_cuda_graph_capture_draft_and_update():
     """Both launchers are sync-free: they capture in a CUDA graph and replay exactly."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from vllm_recycling.draft import draft_tokens
+    from vllm_recycling.kernels.draft_tree import draft_tree as draft_tokens
     from vllm_recycling.tree import load_tree
 
     tree = load_tree("2.2.2", 8).to("cuda")

@@ -92,3 +92,20 @@ def test_to_device_keeps_everything():
     t = load_tree("tree16", topk=8)
     u = t.to("cpu")
     assert u.paths == t.paths and torch.equal(u.ancestors, t.ancestors)
+
+
+def test_hybrid_tree_puts_the_context_chain_first_in_each_level():
+    """The context branch: a chain under the root, its node first in every level it reaches;
+    the matrix template's nodes keep their order and ranks, mapped by ``matrix_nodes``."""
+    from vllm_recycling.tree import hybrid_tree
+
+    matrix = compile_tree([[0], [1], [0, 0]], topk=2)
+    hybrid = hybrid_tree(matrix, 3, topk=2)
+    tree = hybrid.tree
+    assert tree.num_nodes == 6 and tree.level_starts == (0, 1, 4, 6, 7)
+    assert hybrid.context_nodes.tolist() == [1, 4, 6]  # first in levels 1, 2, 3
+    assert tree.parent[hybrid.context_nodes].tolist() == [0, 1, 4]
+    assert hybrid.matrix_nodes.tolist() == [0, 2, 3, 5]
+    assert [tree.paths[i - 1] for i in hybrid.matrix_nodes[1:].tolist()] == list(matrix.paths)
+    assert tree.rank[hybrid.context_nodes].tolist() == [2, 0, 0]  # rank topk: no matrix rank
+    assert hybrid_tree(matrix, 0, topk=2).tree is matrix

@@ -1,4 +1,4 @@
-"""benchmarks/soak.py, short: the request plan (no server), absurd speculative configs, and 120
+"""benchmarks/soak.py, short: the request plan (no server), absurd speculative configs, and 96
 requests of the soak's mix against three tiny-random servers started side by side: recycling
 with the default config, recycling verifying the whole default tree every step (``"budget":
 "fixed"``: on 2 CPU cores the default budget verifies few drafts on tiny-random), and no
@@ -18,7 +18,7 @@ from vllm_recycling.config import RecyclingConfig, RecyclingConfigError
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import soak  # noqa: E402
 
-REQUESTS = 120
+REQUESTS = 96
 SPECS = [{"method": "recycling"}, {"method": "recycling", "budget": "fixed"}]
 # What vLLM 0.32 answers to each bad input, with speculation or without.
 BAD_STATUS = {
@@ -116,7 +116,7 @@ def test_soak_short(tiny_model, tmp_path):
         assert r["health_after"] == 200 and r["final_request"] == "ok"
     assert report["servers"]["recycling budget=fixed"]["outcomes"].get("aborted", 0) > 0
     assert set(report["bad_input"]) == set(BAD_STATUS)
-    for bad, entry in report["bad_input"].items():  # each case once in 120 requests
+    for bad, entry in report["bad_input"].items():  # each case once in 96 requests
         assert all(statuses == [BAD_STATUS[bad]] for statuses in entry["answers"].values()), (bad, entry)
 
     for name, greedy in report["greedy"].items():

@@ -2,7 +2,7 @@
 
     python benchmarks/batching.py [--prompts 32] [--max-tokens 128] [--batches 1,8,32]
                                   [--scopes shared,per_request,overlay] [--tree 2.2.2]
-                                  [--overlay-rows R]
+                                  [--overlay-rows R] [--budget fixed]
 
 Every (scope, batch) pair runs in its own process with a fresh engine (so every matrix starts
 empty) on the same prompts from the shipped Spec-Bench sample (one per category in turn, chat
@@ -65,7 +65,7 @@ def run_one(args) -> dict:
     model = str(prepare_model(args.model))
     tokenizer = AutoTokenizer.from_pretrained(model)
     inputs = [{"prompt_token_ids": chat_prompt_ids(tokenizer, q["turns"][0])} for q in prompts(args)]
-    spec = {"method": "recycling", "matrix_scope": scope, "tree": args.tree}
+    spec = {"method": "recycling", "matrix_scope": scope, "tree": args.tree, "budget": args.budget}
     if scope == "overlay" and args.overlay_rows:
         spec["overlay_rows"] = args.overlay_rows
     llm = LLM(model, dtype="float32", enforce_eager=True, max_model_len=2048, seed=0,
@@ -106,7 +106,8 @@ def markdown(report: dict) -> str:
     lines = ["# Acceptance under batching: tokens per step by matrix scope", "",
              f"{report['date']}; {report['machine']}; vLLM {report['vllm']}; {report['model']} "
              f"float32; {report['prompts']} Spec-Bench prompts (one per category in turn); up to "
-             f"{report['max_tokens']} new tokens; greedy; tree {report['tree']}, k = 8. "
+             f"{report['max_tokens']} new tokens; greedy; tree {report['tree']}, k = 8, budget "
+             f"{report.get('budget', 'auto')}, the other keys their defaults. "
              f"Command: `{report['command']}`.", "",
              "Tokens per step = output tokens / (output tokens - accepted drafts), every step counted.",
              "", "| scope | " + " | ".join(f"batch {b}" for b in batches) + " |",
@@ -134,6 +135,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--scopes", default="shared,per_request,overlay")
     parser.add_argument("--tree", default="2.2.2")
+    parser.add_argument("--budget", default="fixed", choices=("fixed", "auto"),
+                        help="fixed (default): the whole tree every step, so acceptance alone is compared")
     parser.add_argument("--overlay-rows", type=int, help="overlay scope: rows per request "
                         "(default: the config's default)")
     parser.add_argument("--tag", default="cpu")
@@ -149,7 +152,7 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     scopes = args.scopes.split(",")
     report = {**run_header("batching.py", args.model), "prompts": args.prompts,
-              "max_tokens": args.max_tokens, "tree": args.tree, "batches": batches, "scopes": scopes,
+              "max_tokens": args.max_tokens, "tree": args.tree, "budget": args.budget, "batches": batches, "scopes": scopes,
               "overlay_rows": overlay_rows, "memory": memory_rows(8, overlay_rows),
               "results": []}
     outputs = {}

@@ -147,9 +147,19 @@ def _run_decode(args: argparse.Namespace) -> int:
 SERVE_USAGE = f"{PROG} serve [model_tag] [options]"
 
 
+def _add_passthrough(subparsers: argparse._SubParsersAction, name: str, handler, **kwargs) -> None:
+    """A subcommand that hands its arguments to vLLM's serve parser untouched (``--help``
+    included)."""
+    parser = subparsers.add_parser(name, add_help=False, **kwargs)
+    parser.add_argument("vllm_args", nargs=argparse.REMAINDER, metavar="ARGS", help="`vllm serve` arguments")
+    parser.set_defaults(handler=handler, passthrough=True)
+
+
 def _add_serve_command(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
+    _add_passthrough(
+        subparsers,
         "serve",
+        _run_serve,
         help="start vLLM's OpenAI-compatible server: `vllm serve` with the same arguments",
         description=(
             "Exactly `vllm serve`: the same arguments, parsed by vLLM's own serve parser, "
@@ -160,10 +170,7 @@ def _add_serve_command(subparsers: argparse._SubParsersAction) -> None:
             f"`{PROG} serve --help` shows vLLM's options."
         ),
         usage=SERVE_USAGE,
-        add_help=False,  # --help goes to vLLM's serve parser
     )
-    parser.add_argument("vllm_args", nargs=argparse.REMAINDER, metavar="ARGS", help="`vllm serve` arguments")
-    parser.set_defaults(handler=_run_serve, passthrough=True)
 
 
 def serve_arguments(vllm_args: Sequence[str]):
@@ -209,17 +216,25 @@ def serve_arguments(vllm_args: Sequence[str]):
     return command, args
 
 
+def _recycling_config(serve_args):
+    """The parsed ``--speculative-config`` when its method is recycling, else None (vLLM's
+    parser gives the JSON as a dict, engine/arg_utils.py:1826). Raises RecyclingConfigError."""
+    from .config import METHOD, RecyclingConfig
+
+    spec = getattr(serve_args, "speculative_config", None)
+    if isinstance(spec, dict) and spec.get("method") == METHOD:
+        return RecyclingConfig.from_dict(spec)
+    return None
+
+
 def _run_serve(args: argparse.Namespace) -> int:
-    from .config import METHOD, RecyclingConfig, RecyclingConfigError
+    from .config import RecyclingConfigError
 
     command, serve_args = serve_arguments(args.vllm_args)
     try:
-        # refused before vLLM binds the port or builds an engine (vLLM's parser gives the JSON
-        # as a dict, engine/arg_utils.py:1826; the engine checks it again, for `vllm serve` and
-        # the LLM class: patches.engine_args.translate_recycling_spec)
-        spec = getattr(serve_args, "speculative_config", None)
-        if isinstance(spec, dict) and spec.get("method") == METHOD:
-            RecyclingConfig.from_dict(spec)
+        # refused before vLLM binds the port or builds an engine (the engine checks it again,
+        # for `vllm serve` and the LLM class: patches.engine_args.translate_recycling_spec)
+        _recycling_config(serve_args)
         command.cmd(serve_args)
     except RecyclingConfigError as exc:  # a bad speculative_config: no traceback
         raise CliError(str(exc)) from None
@@ -232,8 +247,10 @@ WARM_USAGE = f"{PROG} warm [model_tag] [vllm serve options]"
 
 
 def _add_warm_command(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
+    _add_passthrough(
+        subparsers,
         "warm",
+        _run_warm,
         help="compute a model's initial matrix (matrix_init 'model') once, cache it, print where",
         description=(
             "Compute the initial matrix that engines with speculative_config matrix_init 'model' "
@@ -243,22 +260,19 @@ def _add_warm_command(subparsers: argparse._SubParsersAction) -> None:
             "on stdout. A server computes it at its first start when it is missing."
         ),
         usage=WARM_USAGE,
-        add_help=False,
     )
-    parser.add_argument("vllm_args", nargs=argparse.REMAINDER, metavar="ARGS", help="`vllm serve` arguments")
-    parser.set_defaults(handler=_run_warm, passthrough=True)
 
 
 def _run_warm(args: argparse.Namespace) -> int:
     from vllm.engine.arg_utils import EngineArgs
 
-    from .config import DEFAULT_TOPK, METHOD, RecyclingConfig, RecyclingConfigError
+    from .config import DEFAULT_TOPK, RecyclingConfigError
     from .warm import ensure_prior
 
     _, serve_args = serve_arguments(args.vllm_args)
-    spec = getattr(serve_args, "speculative_config", None)
     try:
-        topk = RecyclingConfig.from_dict(spec).topk if isinstance(spec, dict) and spec.get("method") == METHOD else DEFAULT_TOPK
+        config = _recycling_config(serve_args)
+        topk = DEFAULT_TOPK if config is None else config.topk
         engine_args = EngineArgs.from_cli_args(serve_args)
         path = ensure_prior(engine_args, engine_args.create_model_config(), topk)
     except RecyclingConfigError as exc:

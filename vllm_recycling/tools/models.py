@@ -40,6 +40,8 @@ from importlib import util as importlib_util
 from pathlib import Path
 from typing import Callable, Iterator
 
+from vllm_recycling.prior import cache_root  # one cache root for models and priors
+
 __all__ = [
     "KNOWN_MODELS",
     "ModelUnavailableError",
@@ -84,18 +86,6 @@ class UnknownModelError(ValueError):
 
 
 # --------------------------------------------------------------------------- cache
-
-
-def cache_root() -> Path:
-    """The cache root: ``$VLLM_RECYCLING_CACHE``, else ``$XDG_CACHE_HOME/vllm-recycling``,
-    else ``~/.cache/vllm-recycling``."""
-    explicit = os.environ.get("VLLM_RECYCLING_CACHE")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
-        return Path(xdg).expanduser() / "vllm-recycling"
-    return Path.home() / ".cache" / "vllm-recycling"
 
 
 def _check_name(name: str) -> "_Recipe":

@@ -66,7 +66,6 @@ class AdaptiveBudget:
         self._parent_np = template.parent.clamp(min=0).cpu().numpy()
         # per non-root node: 1 below the first level (the calibration's second table)
         self._deep = (np.arange(1, template.num_nodes + 1) >= template.level_starts[2]).astype(np.int64)
-        self._context_cols = hybrid.context_nodes.cpu().numpy() - 1  # their columns, root excluded
         # the hybrid nodes of the matrix's first level, in rank order (what ``_unsent`` reads)
         self._first_nodes = hybrid.matrix_nodes[1 : 1 + sum(len(p) == 1 for p in hybrid.matrix.paths)].cpu().numpy()
         first_level = [p for p in hybrid.matrix.paths if len(p) == 1]
@@ -145,7 +144,7 @@ class AdaptiveBudget:
         survival = self.calibration.survival(conf_np, self._parent_np, self.template.level_starts)
         tokens_np, conf_np, survival_np = tokens_np[:, 1:], conf_np[:, 1:], survival[:, 1:]
         if self.hybrid.context_length:  # a context node without a token is never sent
-            survival_np[:, self._context_cols] *= False if context is None else context.valid
+            survival_np *= self.hybrid.sendable(len(active), None if context is None else context.valid)
         decision = admit(survival_np, self.chains, num_decoding, base_tokens, self.cost)
         mask = self._record(decision)
         bins = self.calibration.bins(conf_np, self._deep)

@@ -237,11 +237,7 @@ class RecyclingProposer:
             for i, row in zip(active, tokens.tolist()):
                 drafts[i] = row
             return drafts
-        send = np.ones(tokens.shape, dtype=bool)
-        if context is None:
-            send[:, self.hybrid.context_nodes.cpu().numpy() - 1] = False
-        else:
-            send[:, self.hybrid.context_nodes.cpu().numpy() - 1] = context.valid
+        send = self.hybrid.sendable(len(active), None if context is None else context.valid)
         sent = {}
         for k, i in enumerate(active):  # vLLM takes one Python list of drafts per request
             nodes = np.flatnonzero(send[k])

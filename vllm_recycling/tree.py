@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from importlib import resources
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import torch
 
 MAX_DEPTH = 16
@@ -193,6 +195,18 @@ class HybridTree:
     def to(self, device: torch.device | str) -> "HybridTree":
         return HybridTree(self.tree.to(device), self.matrix.to(device), self.matrix_nodes.to(device),
                           self.context_nodes.to(device))
+
+    @cached_property
+    def context_cols(self):
+        """The context nodes' columns among the non-root nodes, a host array (read once)."""
+        return self.context_nodes.cpu().numpy() - 1
+
+    def sendable(self, num: int, valid=None):
+        """[num, N] bool over the non-root nodes: every matrix node, and the context nodes that
+        have a token (``valid`` [num, C], ``drafts.Context.valid``; None: no match, none)."""
+        send = np.ones((num, self.tree.num_nodes), dtype=bool)
+        send[:, self.context_cols] = False if valid is None else valid
+        return send
 
 
 def hybrid_tree(matrix: TreeTemplate, context_length: int, topk: int) -> HybridTree:

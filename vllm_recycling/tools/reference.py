@@ -61,7 +61,6 @@ class ReferenceDecoder:
         n1 = self.tree.num_nodes + 1
         mask = torch.zeros((n1, n1), dtype=model.dtype, device=self.device)
         self.tree_bias = mask.masked_fill(~self.tree.ancestors, torch.finfo(model.dtype).min)
-        self._context = self.hybrid.context_nodes.cpu().numpy()
         # Set to a list (with a matrix that keeps probabilities) to record every step's
         # (node confidences [N+1], whether each node's token is the target's argmax at its
         # parent [N+1], root True): what the adaptive budget would have seen, and what verifying
@@ -147,11 +146,7 @@ class ReferenceDecoder:
     def _verified_nodes(self, context) -> np.ndarray:
         """The template nodes (root excluded, breadth-first) verified this step: every matrix node
         and the context nodes that have a token, as the plugin's budget "fixed" sends."""
-        keep = np.ones(self.tree.num_nodes + 1, dtype=bool)
-        keep[0] = False
-        if self._context.size:
-            keep[self._context] = False if context is None else context.valid[0]
-        return np.flatnonzero(keep)
+        return np.flatnonzero(self.hybrid.sendable(1, None if context is None else context.valid)[0]) + 1
 
 
 def _keep_path(cache, prefix: int, nodes: torch.Tensor) -> None:

@@ -14,7 +14,10 @@ level alike; then ``concurrency`` clients
 (``openai.AsyncOpenAI``, streaming chat completions, greedy, ``--max-tokens`` new tokens, EOS
 honoured) share a fixed list of ``max(--min-requests, 2 x concurrency)`` requests (capped by
 ``--max-requests``) made from the shipped Spec-Bench sample (``turns[0]``, shuffled with
-``--seed``; 52 questions, so 64 requests repeat 12 of them). The methods are those of
+``--seed``; 52 questions, so 64 requests repeat 12 of them: give a full Spec-Bench
+``question.jsonl`` with ``--questions`` for distinct prompts at 64 clients and beyond; a
+repeated prompt is a repeated greedy answer, which suffix's cross-request cache replays
+whole). The methods are those of
 ``spec_bench.py``; a hot matrix is shared by the requests of a level.
 
 Per method and concurrency: output tokens/s (completion tokens over the wall time of the
@@ -157,6 +160,10 @@ def main() -> None:
     parser.add_argument("--min-requests", type=int, default=16)
     parser.add_argument("--max-requests", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--questions", default=None,
+                        help="a Spec-Bench question.jsonl (default: the shipped 52-question "
+                             "sample); a level with more requests than questions repeats prompts, "
+                             "which a cross-request cache (suffix) replays")
     parser.add_argument("--tag", default="cpu")
     parser.add_argument("--server-args", default="",
                         help="more vllm serve arguments for every server, e.g. --no-async-scheduling")
@@ -179,7 +186,7 @@ def main() -> None:
     from vllm_recycling.tools.prompts import spec_bench_questions
 
     prepare_model(args.model)  # once, before the servers start
-    questions = spec_bench_questions()
+    questions = spec_bench_questions(args.questions)
     random.Random(args.seed).shuffle(questions)
     rows = []
     log_dir = Path(tempfile.mkdtemp(prefix="serve_bench_"))
@@ -202,13 +209,21 @@ def _write(args, rows) -> None:
     report = {
         **run_header("serve_bench.py", args.model),
         "server_args": SERVER_ARGS,
-        "prompts": f"Spec-Bench turns[0] (shipped 52-question sample, shuffled with seed "
-                   f"{args.seed}), chat completions, streaming",
+        "prompts": f"Spec-Bench turns[0] ("
+                   + ("shipped 52-question sample" if args.questions is None
+                      else f"{_count_questions(args.questions)} questions of {Path(args.questions).name}")
+                   + f", shuffled with seed {args.seed}), chat completions, streaming",
         "max_tokens": args.max_tokens,
         "requests": f"max({args.min_requests}, 2 x concurrency), at most {args.max_requests}",
         "results": rows,
     }
     write_results(f"serve_bench_{args.tag}", report, markdown, plot)
+
+
+def _count_questions(path: str) -> int:
+    from vllm_recycling.tools.prompts import spec_bench_questions
+
+    return len(spec_bench_questions(path))
 
 
 def markdown(report: dict) -> str:

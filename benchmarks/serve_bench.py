@@ -71,17 +71,19 @@ async def one_request(client, model: str, messages: list[dict], max_tokens: int)
 
 
 async def load(url: str, model: str, requests: list[list[dict]], concurrency: int,
-               max_tokens: int, progress) -> tuple[list[dict], float]:
+               max_tokens: int | list[int], progress) -> tuple[list[dict], float]:
+    """max_tokens: one limit for every request, or one per request."""
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=f"{url}/v1", api_key="none", timeout=3600, max_retries=0)
-    queue = list(reversed(requests))
+    limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(requests)
+    queue = list(reversed(list(zip(requests, limits))))
     results: list[dict] = []
 
     async def worker():
         while queue:
-            messages = queue.pop()
-            results.append(await one_request(client, model, messages, max_tokens))
+            messages, limit = queue.pop()
+            results.append(await one_request(client, model, messages, limit))
             progress.update(1)
 
     start = time.perf_counter()
@@ -96,6 +98,21 @@ def percentile(values: list[float], q: float) -> float | None:
         return None
     values = sorted(values)
     return values[min(len(values) - 1, round(q / 100 * (len(values) - 1)))]
+
+
+def output_limits(args, n: int) -> list[int]:
+    """Each request's max_tokens: ``--max-tokens``, or with ``--output-spread R`` drawn
+    uniformly from [round(max_tokens * (1 - R)), max_tokens] (seeded by ``--seed``: the same
+    list for every method). With one limit for all, the clients of a level finish in lockstep
+    without speculation (every answer runs to the limit in the same number of steps), so the
+    next requests' prefills arrive together and share steps; a speculative method finishes
+    requests apart and pays more, smaller prefill steps. Spread limits desynchronise every
+    method alike, as independent clients are."""
+    if not args.output_spread:
+        return [args.max_tokens] * n
+    rng = random.Random(args.seed)
+    low = max(1, round(args.max_tokens * (1 - args.output_spread)))
+    return [rng.randint(low, args.max_tokens) for _ in range(n)]
 
 
 def run_method(method: str, args, questions: list[dict], log_dir: Path) -> dict:
@@ -122,7 +139,7 @@ def run_method(method: str, args, questions: list[dict], log_dir: Path) -> dict:
             before = server.metrics()
             with tqdm(total=n, desc=f"{method} c={c}", unit="req") as progress:
                 results, seconds = asyncio.run(
-                    load(server.url, args.model, requests, c, args.max_tokens, progress))
+                    load(server.url, args.model, requests, c, output_limits(args, n), progress))
             after = server.metrics()
         rows.append(_level_row(c, n, results, seconds, before, after))
     return {"method": method, "speculative_config": spec, "levels": rows}
@@ -157,6 +174,9 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--concurrency", default="1,4,16,64")
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--output-spread", type=float, default=0.0,
+                        help="R in [0, 1): each request's max_tokens drawn from "
+                             "[max_tokens * (1 - R), max_tokens] instead of max_tokens")
     parser.add_argument("--min-requests", type=int, default=16)
     parser.add_argument("--max-requests", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
@@ -174,6 +194,8 @@ def main() -> None:
         report = json.loads((RESULTS / f"serve_bench_{args.tag}.json").read_text())
         plot(report, RESULTS / f"serve_bench_{args.tag}.png")
         return
+    if not 0.0 <= args.output_spread < 1.0:
+        parser.error(f"--output-spread: expected 0 <= R < 1, got {args.output_spread}")
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     SERVER_ARGS.extend(shlex.split(args.server_args))
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -213,7 +235,8 @@ def _write(args, rows) -> None:
                    + ("shipped 52-question sample" if args.questions is None
                       else f"{_count_questions(args.questions)} questions of {Path(args.questions).name}")
                    + f", shuffled with seed {args.seed}), chat completions, streaming",
-        "max_tokens": args.max_tokens,
+        "max_tokens": args.max_tokens if not args.output_spread else
+        f"{max(1, round(args.max_tokens * (1 - args.output_spread)))}-{args.max_tokens} (uniform, seed {args.seed})",
         "requests": f"max({args.min_requests}, 2 x concurrency), at most {args.max_requests}",
         "results": rows,
     }

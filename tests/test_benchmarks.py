@@ -82,6 +82,17 @@ def test_percentile_is_nearest_rank():
     assert serve_bench.percentile([], 50) is None
 
 
+def test_output_limits_are_seeded_and_within_the_spread():
+    from types import SimpleNamespace
+
+    same = SimpleNamespace(max_tokens=48, output_spread=0.0, seed=0)
+    assert serve_bench.output_limits(same, 3) == [48, 48, 48]
+    spread = SimpleNamespace(max_tokens=48, output_spread=0.5, seed=0)
+    limits = serve_bench.output_limits(spread, 200)
+    assert limits == serve_bench.output_limits(spread, 200)  # every method gets the same list
+    assert min(limits) == 24 and max(limits) == 48
+
+
 def _level(c, tps):
     return {"concurrency": c, "requests": 8, "tokens": 100, "seconds": 1.0, "tokens_per_s": tps,
             "ttft_p50_ms": 10.0, "ttft_p99_ms": 20.0, "itl_p50_ms": 5.0, "itl_p99_ms": 9.0,

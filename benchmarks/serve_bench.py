@@ -4,6 +4,7 @@ streaming clients.
     python benchmarks/serve_bench.py                              # every method, 1/4/16/64
     python benchmarks/serve_bench.py --methods none,"recycling tree16 hot" --concurrency 1,8
     python benchmarks/serve_bench.py --methods "none,recycling auto,none,recycling auto"  # repeats
+    python benchmarks/serve_bench.py --concurrency 16 --output-spread 0.5  # clients finish apart
 
 For each method and concurrency a fresh server (``vllm-recycling serve``, which is ``vllm
 serve`` with the same arguments) is started on 127.0.0.1 and warmed up with ``concurrency`` (at

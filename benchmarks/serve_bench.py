@@ -104,11 +104,11 @@ def percentile(values: list[float], q: float) -> float | None:
 def output_limits(args, n: int) -> list[int]:
     """Each request's max_tokens: ``--max-tokens``, or with ``--output-spread R`` drawn
     uniformly from [round(max_tokens * (1 - R)), max_tokens] (seeded by ``--seed``: the same
-    list for every method). With one limit for all, the clients of a level finish in lockstep
-    without speculation (every answer runs to the limit in the same number of steps), so the
-    next requests' prefills arrive together and share steps; a speculative method finishes
-    requests apart and pays more, smaller prefill steps. Spread limits desynchronise every
-    method alike, as independent clients are."""
+    list for every method). With one limit for all, the clients of a level can finish in
+    lockstep without speculation, and the next requests' prompts then share steps, which a
+    speculative method's clients (finishing apart) do not; spread limits take that away from
+    every method alike (offline, ``lockstep.py``, that did not help the default: see
+    benchmarks/README.md, "The same in the server")."""
     if not args.output_spread:
         return [args.max_tokens] * n
     rng = random.Random(args.seed)

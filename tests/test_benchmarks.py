@@ -99,6 +99,18 @@ def _level(c, tps):
             "tokens_per_step": 1.5}
 
 
+def test_paired_ratios_cancel_a_linear_drift():
+    # the machine speeds up by 1 token/s per run; A is 10% faster than none at every moment
+    methods = ["none", "A", "A", "none", "none", "A"]
+    rows = [{"method": m, "levels": [_level(16, (10.0 + i) * (1.1 if m == "A" else 1.0))]}
+            for i, m in enumerate(methods)]
+    paired = serve_bench.paired_ratios(rows, 16)
+    # bracketed runs: exact; the last (no none after it) against the nearest none run
+    assert [round(r, 6) for r in paired["A"]] == [1.1, 1.1, round(1.1 * 15 / 14, 6)]
+    assert "none" not in paired
+    assert serve_bench.paired_ratios(rows, 64) == {}
+
+
 def test_serve_tables_and_plot(tmp_path):
     report = {"date": "2026-11-22", "machine": "x86_64, 2 CPUs, Linux", "vllm": "0.32.0",
               "model": "smollm2", "server_args": ["--dtype", "float32"], "prompts": "p",
@@ -116,6 +128,9 @@ def test_serve_tables_and_plot(tmp_path):
     md = serve_bench.markdown(report)
     assert "| none (3 runs) | 1.00x (0.91-1.09) | 1.00x (1.00-1.00) |" in md
     assert "| recycling 2.2.2 hot (2 runs) | 1.28x (1.20-1.36) | 0.50x |" in md
+    # each run against none interpolated at its place: the first run 15 / (10 + (12 - 10) / 2),
+    # the last 13.2 / 11 (no none after it); at c=4 only the first run has that level
+    assert "| recycling 2.2.2 hot | 1.28x (1.20-1.36) | 0.50x (0.50-0.50) |" in md
     pytest.importorskip("matplotlib")
     serve_bench.plot(report, tmp_path / "serve.png")
     assert (tmp_path / "serve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -327,9 +327,9 @@ def paired_ratios(rows, c: int) -> dict[str, list[float]]:
     """method -> one ratio per run at concurrency c: its tokens/s over ``none``'s interpolated
     at its place in the order run, linearly between the last ``none`` run before it and the
     first after it (the nearest one where it has a ``none`` run on one side only). The
-    machine's speed drifts over a long invocation (three methods x 3 rounds at 64 clients read
-    44.7 / 48.8 / 51.3 tokens/s for none, in that order), which a ratio of medians takes for a
-    difference between methods run at different times; this one cancels a drift linear in
+    machine's speed wanders over a long invocation (none read 62.2 / 67.2 / 66.5 / 61.6
+    tokens/s in four runs of one level, results/serve_bench_balanced_c16_sample.md), which a
+    ratio of medians takes for a difference between methods run at different times; this one cancels a drift linear in
     time for every run bracketed by ``none`` runs (``--methods "none,A,A,none,none,A,A,none"``)."""
     order = [(r["method"], {lv["concurrency"]: lv["tokens_per_s"] for lv in r["levels"]}) for r in rows]
     base = [(i, run[c]) for i, (method, run) in enumerate(order) if method == "none" and c in run]

@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from spec_bench import RESULTS, run_header  # noqa: E402
+from spec_bench import RESULTS, ensure_model_prior, run_header  # noqa: E402
 
 
 def prompts(args) -> list[dict]:
@@ -148,6 +148,7 @@ def main() -> None:
         return
     from vllm_recycling.matrix import DEFAULT_OVERLAY_ROWS
 
+    ensure_model_prior(args.model)
     overlay_rows = args.overlay_rows or DEFAULT_OVERLAY_ROWS
     batches = [int(b) for b in args.batches.split(",")]
     scopes = args.scopes.split(",")

@@ -48,7 +48,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from server import Server  # noqa: E402
-from spec_bench import RESULTS, METHODS, run_header, speculative_config, write_results  # noqa: E402
+from spec_bench import (  # noqa: E402
+    RESULTS, METHODS, ensure_model_prior, run_header, speculative_config, write_results,
+)
 
 SERVER_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
                "--max-num-seqs", "64"]
@@ -211,6 +213,7 @@ def main() -> None:
     from vllm_recycling.tools.prompts import spec_bench_questions
 
     prepare_model(args.model)  # once, before the servers start
+    ensure_model_prior(args.model)
     questions = spec_bench_questions(args.questions)
     random.Random(args.seed).shuffle(questions)
     rows = []

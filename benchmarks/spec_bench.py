@@ -227,6 +227,7 @@ def main() -> None:
             speculative_config(method)
         except ValueError as e:
             parser.error(str(e))
+    ensure_model_prior(args.model)
     questions = benchmark_questions(args)
     print(f"{len(methods)} methods x {len(questions)} prompts, up to {args.max_tokens} tokens each",
           flush=True)
@@ -275,6 +276,18 @@ def cpu_model(cpuinfo: str | None = None) -> str:
               (line.split(":", 1) for line in first.splitlines() if ":" in line)}
     avx512 = "with" if "avx512f" in fields.get("flags", "").split() else "without"
     return f"{fields.get('model name', 'unknown CPU')} {avx512} AVX-512"
+
+
+def ensure_model_prior(model: str, topk: int = 8) -> None:
+    """The model's initial matrix computed and cached before anything is measured (an engine
+    that starts without it takes it in while it runs, which would blur a measurement)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_recycling.tools.models import prepare_model
+    from vllm_recycling.warm import ensure_prior
+
+    args = EngineArgs(str(prepare_model(model)), dtype="float32")
+    ensure_prior(args, args.create_model_config(), topk, progress="bar")
 
 
 def run_header(script: str, model: str) -> dict:

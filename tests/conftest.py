@@ -32,7 +32,21 @@ def _prepare(name: str) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_model() -> str:
-    return _prepare("tiny-random")
+    """tiny-random, with its initial matrix (k = 8) computed first where vLLM is installed, so
+    that engines of the default configuration start from it rather than take it in while
+    they run (``tests/test_prior.py`` tests that)."""
+    path = _prepare("tiny-random")
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+    except ImportError:
+        return path
+    from vllm_recycling.warm import ensure_prior
+
+    args = EngineArgs(path, **engines.ENGINE)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+        ensure_prior(args, args.create_model_config(), 8)
+    return path
 
 
 @pytest.fixture(scope="session")

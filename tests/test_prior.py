@@ -1,15 +1,24 @@
-"""The initial matrix from the model (``prior.py``, ``warm.py``): its cache, and its content
-computed through vLLM against the model's own next-token top-k in plain transformers."""
+"""The initial matrix from the model (``prior.py``, ``warm.py``): its cache, its content
+computed through vLLM against the model's own next-token top-k in plain transformers, and
+its arrival while an engine serves."""
 
 from __future__ import annotations
 
 import json
+import logging
+import subprocess
+import sys
+import time
 
+import numpy as np
 import pytest
 import torch
 
+from vllm_recycling import prior as prior_module
+from vllm_recycling.matrix import AdjacencyMatrix
 from vllm_recycling.prior import (
     PriorError,
+    PriorWatch,
     cache_root,
     load_prior,
     model_identity,
@@ -86,7 +95,7 @@ def test_prior_through_vllm_is_the_models_own_top_k(tiny_model, monkeypatch):
     from vllm.engine.arg_utils import EngineArgs
 
     from engines import ENGINE
-    from vllm_recycling.warm import context_ids, ensure_prior
+    from vllm_recycling.warm import PRIOR_BLOCK, context_ids, ensure_prior
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     args = EngineArgs(tiny_model, **ENGINE)
@@ -98,7 +107,9 @@ def test_prior_through_vllm_is_the_models_own_top_k(tiny_model, monkeypatch):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     prefix = context_ids(tokenizer)
-    assert prefix == tokenizer("<|im_start|>assistant\n", add_special_tokens=False).input_ids
+    opening = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False,
+                                            add_generation_prompt=True)
+    assert tokenizer.decode(prefix).endswith(opening) and len(prefix) % PRIOR_BLOCK == 0
     tokens = torch.arange(0, 1024, 37)
     ids = torch.cat([torch.tensor(prefix).repeat(len(tokens), 1), tokens[:, None]], 1)
     with torch.no_grad():
@@ -109,3 +120,136 @@ def test_prior_through_vllm_is_the_models_own_top_k(tiny_model, monkeypatch):
     assert agree > 0.98, agree
     got = probs[tokens].float()
     torch.testing.assert_close(got, want.gather(1, table[tokens].long()), atol=2e-3, rtol=2e-2)
+
+
+# -- taken in while serving ------------------------------------------------------------------------
+
+def test_take_prior_fills_only_rows_nothing_wrote():
+    """The matrix takes a prior in while serving: rows that traffic (or a snapshot) wrote keep
+    theirs, the others take the prior's rows and its probabilities negated (what the budget
+    calibrates apart), and every matrix created afterwards starts from it."""
+    vocab, k = 16, 4
+    table, probs = _prior(vocab, k)
+    for scope in ("shared", "per_request", "overlay", "salt"):
+        m = AdjacencyMatrix(vocab, k, scope=scope, max_requests=2, with_probs=True, salt_matrices=2,
+                            overlay_rows=4)
+        m.allocate("a", "tenant")
+        written = torch.tensor([[3, 1, 2, 0]], dtype=torch.int32)
+        m.table[5:6] = written
+        m.probs[5:6] = 0.5
+        filled = m.take_prior((table, probs))
+        matrices = 2 if scope in ("per_request", "salt") else 1
+        matrices += 1 if scope == "salt" else 0  # the shared matrix and each salt's
+        assert filled == matrices * vocab - 1, scope
+        assert torch.equal(m.table[5:6], written) and float(m.probs[5, 0]) == 0.5
+        rest = torch.ones(vocab, dtype=torch.bool)
+        rest[5] = False
+        assert torch.equal(m.table[:vocab][rest], table[rest])
+        assert torch.equal(m.probs[:vocab][rest], -probs[rest])
+        if scope == "per_request":  # a matrix handed out after the swap starts from the prior
+            m.table[vocab:] = 7
+            m.free("a")
+            m.allocate("b")
+            slot = m._slot_of["b"]
+            assert torch.equal(m.table[slot * vocab:(slot + 1) * vocab], table)
+        if scope == "salt":  # so does a new salt's
+            assert torch.equal(m.table[2 * vocab:3 * vocab], table)
+
+
+def test_prior_watch_loads_the_file_once_it_is_whole(tmp_path, monkeypatch):
+    monkeypatch.setattr(prior_module, "POLL_S", 0.0)
+    path = tmp_path / "p.safetensors"
+    watch = PriorWatch(path, 16, 4)
+    assert watch.poll() is None  # no file yet
+    path.write_bytes(b"partial")
+    assert watch.poll() is None  # a file that does not load is not taken
+    table, probs = _prior()
+    save_prior(path, table, probs, "m", 1.0)
+    got = watch.poll()
+    assert got is not None and torch.equal(got[0], table)
+
+
+def test_prior_watch_looks_at_most_every_poll_s(tmp_path, monkeypatch):
+    path = tmp_path / "p.safetensors"
+    save_prior(path, *_prior(), "m", 1.0)
+    monkeypatch.setattr(prior_module, "POLL_S", 3600.0)
+    watch = PriorWatch(path, 16, 4)
+    assert watch.poll() is not None  # the first step looks
+    watch = PriorWatch(path, 16, 4)
+    watch._next_look = time.monotonic() + 3600
+    assert watch.poll() is None  # then not before POLL_S has passed
+
+
+def test_tensor_parallel_ranks_take_the_prior_at_the_same_step(tmp_path):
+    """With several ranks, a rank that has loaded the prior waits for the others: readiness is
+    averaged every POLL_STEPS steps and the prior taken when every rank has it."""
+    path = tmp_path / "p.safetensors"
+    other_ready = [0.0]
+    watch = PriorWatch(path, 16, 4, all_reduce_mean=lambda x: (x + np.array(other_ready)) / 2)
+    save_prior(path, *_prior(), "m", 1.0)
+    steps = prior_module.POLL_STEPS
+    assert all(watch.poll() is None for _ in range(steps - 1))
+    assert watch.poll() is None  # this rank has it, the other not yet
+    other_ready[0] = 1.0
+    assert all(watch.poll() is None for _ in range(steps - 1))  # only at agreement steps
+    assert watch.poll() is not None
+
+
+def test_a_failed_background_computation_is_logged_and_nothing_else(caplog):
+    pytest.importorskip("vllm")
+    from vllm_recycling import LOGGER_NAME
+    from vllm_recycling.warm import watch
+
+    child = watch(subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(7)"]), "m")
+    child.wait()
+    logger = logging.getLogger(LOGGER_NAME)
+    logger.addHandler(caplog.handler)
+    try:
+        for _ in range(100):
+            if "failed (exit 7" in caplog.text:
+                break
+            time.sleep(0.05)
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert "computing the initial matrix of m failed (exit 7" in caplog.text
+
+
+@pytest.mark.slow
+def test_engine_serves_before_and_after_its_prior_arrives(tiny_model, tiny_base, tmp_path, monkeypatch):
+    """An engine whose prior is not computed yet serves at once, greedy identical to no
+    speculation; the prior arrives while it serves and is taken in between two steps (rows the
+    traffic wrote keep theirs, the others take the prior's), greedy still identical. The
+    background computation is held back by holding its lock, as a concurrent engine would."""
+    pytest.importorskip("vllm")
+    import engines
+    from vllm_recycling.warm import _locked
+
+    monkeypatch.setenv("VLLM_RECYCLING_CACHE", str(tmp_path / "cache"))
+    vocab, k = engines.TINY_VOCAB, 8
+    path = prior_path(tiny_model, None, vocab, k)
+    table = torch.stack([(torch.arange(vocab) * 7 + d) % vocab for d in range(1, k + 1)], 1).int()
+    probs = torch.full((vocab, k), 0.1, dtype=torch.float16)
+
+    def shared_rows(worker):
+        m = worker.model_runner.drafter.matrix
+        return (worker.model_runner.drafter.prior_watch is not None,
+                m.table[:vocab].clone(), m.probs[:vocab].clone())
+
+    with _locked(path.with_name(path.name + ".lock")):
+        with engines.engine(tiny_model, speculative_config={"method": "recycling"}) as llm:
+            llm.collective_rpc(engines.pin_step_cost(1e-4))
+            before = llm.generate(engines.TINY_PROMPTS, engines.greedy(), use_tqdm=False)
+            waiting, table_before, _ = llm.collective_rpc(shared_rows)[0]
+            save_prior(path, table, probs, tiny_model, 0.0)
+            time.sleep(prior_module.POLL_S + 0.1)
+            after = llm.generate(engines.TINY_PROMPTS, engines.greedy(), use_tqdm=False)
+            still_waiting, table_after, probs_after = llm.collective_rpc(shared_rows)[0]
+    assert waiting and not still_waiting
+    for outputs in (before, after):
+        assert engines.check_greedy_identity(tiny_base["greedy"], engines.token_ids(outputs))["near_ties"] == []
+    written_before = (table_before != 0).any(1)
+    from_prior = probs_after[:, 0] < 0
+    assert written_before.any() and from_prior.any()
+    assert not (written_before & from_prior).any()  # what traffic wrote was kept
+    assert torch.equal(table_after[from_prior], table[from_prior])
+    assert (from_prior | (probs_after[:, 0] > 0)).all()  # every row: the prior's or the traffic's

@@ -26,6 +26,7 @@ pytest.importorskip("vllm")
 
 from vllm_recycling import cli  # noqa: E402
 from vllm_recycling.config import RecyclingConfigError  # noqa: E402
+from vllm_recycling.tools.models import TINY_VOCAB_SIZE as TINY_VOCAB  # noqa: E402
 
 SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 SERVER_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1024"]
@@ -164,8 +165,31 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model, tmp_path_factory):
-    """``vllm-recycling serve tiny-random ...`` on a free port; yields (base URL, timings)."""
+def held_prior(tiny_model, tmp_path_factory):
+    """A cache of the server's own (the models of the suite's cache, no initial matrix) and the
+    lock of its initial matrix held, so that the server's background computation of it waits
+    until ``test_server_takes_its_initial_matrix_in_while_serving`` writes it and lets go."""
+    from vllm_recycling.prior import prior_path
+    from vllm_recycling.warm import _locked
+
+    cache = tmp_path_factory.mktemp("cache")
+    (cache / "models").mkdir()
+    (cache / "models" / MODEL).symlink_to(Path(tiny_model).resolve())
+    old = os.environ.get("VLLM_RECYCLING_CACHE")
+    os.environ["VLLM_RECYCLING_CACHE"] = str(cache)
+    try:
+        path = prior_path(str(cache / "models" / MODEL), None, TINY_VOCAB, 8)
+    finally:
+        os.environ.pop("VLLM_RECYCLING_CACHE") if old is None else os.environ.update(VLLM_RECYCLING_CACHE=old)
+    lock = _locked(path.with_name(path.name + ".lock")).__enter__()
+    yield cache, path, lock
+    lock.__exit__()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, held_prior, tmp_path_factory):
+    """``vllm-recycling serve tiny-random ...`` on a free port, its initial matrix held back
+    (``held_prior``); yields (base URL, timings)."""
     port = free_port()
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     argv = [*command(), "serve", MODEL, *SERVER_ARGS, "--host", "127.0.0.1", "--port", str(port),
@@ -174,7 +198,8 @@ def server(tiny_model, tmp_path_factory):
     start = time.monotonic()
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=server_env(), start_new_session=True)
+                                env={**server_env(), "VLLM_RECYCLING_CACHE": str(held_prior[0])},
+                                start_new_session=True)
     try:
         while True:
             if proc.poll() is not None:
@@ -260,6 +285,37 @@ def test_server_spec_decode_metrics(client, server):
     # the plugin's own histogram: one observation per request per step, accepted depth summed
     assert metric_total(text, "vllm_recycling:accepted_depth_count") == drafts
     assert metric_total(text, "vllm_recycling:accepted_depth_sum") == accepted
+
+
+@pytest.mark.slow
+def test_server_takes_its_initial_matrix_in_while_serving(client, server, held_prior):
+    """The server answered before its initial matrix existed (every test above ran then); it
+    takes the matrix in while serving, and its greedy answers stay the same."""
+    import torch
+
+    from vllm_recycling.prior import save_prior
+
+    log = server[1]["log"]
+    assert "serving now with empty matrix rows" in log.read_text(errors="replace")
+    prompts = ["def fibonacci(n):", "1, 2, 3, 4, 5,", "The quick brown fox"]
+
+    def answers() -> list[str]:
+        return [client.completions.create(model=MODEL, prompt=p, max_tokens=MAX_TOKENS, temperature=0,
+                                          extra_body=IGNORE_EOS).choices[0].text for p in prompts]
+
+    before = answers()
+    assert "initial matrix taken in" not in log.read_text(errors="replace")
+    _, path, lock = held_prior
+    vocab, k = TINY_VOCAB, 8
+    table = torch.stack([(torch.arange(vocab) * 7 + d) % vocab for d in range(1, k + 1)], 1).int()
+    save_prior(path, table, torch.full((vocab, k), 0.1, dtype=torch.float16), MODEL, 0.0)
+    lock.__exit__()  # the background computation finds it and ends
+    deadline = time.monotonic() + 60
+    while "initial matrix taken in" not in log.read_text(errors="replace"):  # looked for between steps
+        assert time.monotonic() < deadline, tail(log)
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=0)
+        time.sleep(0.5)
+    assert answers() == before
 
 
 def test_serve_bad_speculative_config_exits_before_loading(tiny_model):

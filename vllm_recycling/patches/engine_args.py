@@ -77,10 +77,12 @@ def translate_recycling_spec(engine_args: Any, target_model_config: Any) -> None
 
         if current_platform.is_cuda():
             engine_settings(engine_args)  # TRITON_ATTN, piecewise CUDA graphs
-    if config.matrix_init == "model":  # computed once per model, before any engine exists
-        from vllm_recycling.warm import ensure_prior
+    if config.matrix_init == "model":  # computed once per model; on the CPU beside serving
+        from vllm.platforms import current_platform
 
-        ensure_prior(engine_args, target_model_config, config.topk)
+        from vllm_recycling.warm import start_prior
+
+        start_prior(engine_args, target_model_config, config.topk, background=current_platform.is_cpu())
     engine_args.additional_config = {**extra, ADDITIONAL_CONFIG_KEY: config.to_dict()}
     engine_args.speculative_config = {
         "method": "custom_class",

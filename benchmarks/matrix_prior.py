@@ -11,7 +11,10 @@ prior is for) answers one Spec-Bench question per category. Contexts:
 - ``empty``: no prior (every row token 0), today's cold start;
 - ``alone``: the token alone, at position 0;
 - ``assistant``: the token as the first of an assistant turn (the chat template's generation
-  prompt before it), where the answers the drafts are for are written.
+  prompt before it), where the answers the drafts are for are written;
+- ``chat``: what the plugin computes (``warm.context_ids``): the chat template's whole opening
+  of an assistant reply to a one-word user message (its system prompt included), padded to
+  whole KV blocks so that vLLM's prefix cache computes it once.
 
 Prints a table (tokens per step, the prior's compute time and size) and writes
 ``benchmarks/results/matrix_prior.{json,md}``.
@@ -36,13 +39,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from spec_bench import RESULTS, run_header  # noqa: E402
 
-CONTEXTS = ("empty", "alone", "assistant")
+CONTEXTS = ("empty", "alone", "assistant", "chat")
 
 
 def context_ids(tokenizer, context: str) -> list[int]:
-    """The tokens before each vocabulary token: none, or the chat template's generation prompt."""
+    """The tokens before each vocabulary token: none, the chat template's generation prompt, or
+    the plugin's context."""
     if context == "alone":
         return []
+    if context == "chat":
+        from vllm_recycling.warm import context_ids as plugin_context
+
+        return plugin_context(tokenizer)
     text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False,
                                          add_generation_prompt=True)
     full = tokenizer(text, add_special_tokens=False).input_ids

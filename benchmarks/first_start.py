@@ -155,7 +155,7 @@ def warm_runs(runs: int) -> int:
         f"{header['date']}; {header['machine']}. Command: `{header['command']}`.", "",
         "Wall seconds of the command (its start-up, the child's engine, the batched pass over "
         "49,152 vocabulary tokens, the file written), each run with an empty cache of initial "
-        "matrices; in brackets what the child reports for its engine and the pass.", "",
+        "matrices; the last column: what the child reports for its engine and the pass.", "",
         "| run | seconds | engine + pass |", "|---|---|---|",
         *[f"| {i} | {s} | {c} |" for i, (s, c) in enumerate(zip(seconds, computed), 1)],
         "", f"Median {statistics.median(seconds):.1f} s, at most {max(seconds):.1f} s.",

@@ -102,7 +102,7 @@ def one_run(port: int, after_s: float, limit_s: float) -> dict:
             text = log_path.read_text(errors="replace")
             if "prior_cached_s" not in times and list((cache / "priors").glob("*.safetensors")):
                 times["prior_cached_s"] = time.monotonic() - start
-            if "taken in" in text and "taken_in_s" not in times:
+            if "initial matrix taken in" in text and "taken_in_s" not in times:
                 times["taken_in_s"] = time.monotonic() - start
             if "taken_in_s" in times and time.monotonic() - start > times["taken_in_s"] + after_s:
                 break

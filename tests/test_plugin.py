@@ -182,12 +182,14 @@ def begin(proposer, req_ids, num_draft=None, computed=None, params=None, slots=N
 
 
 def observe(proposer, req_ids, live_req_ids, tokens, logits, num_draft_tokens):
-    """What ``patches.sampler.VerifyTree`` hands the proposer before sampling (no tree step)."""
+    """What ``patches.sampler.VerifyTree`` hands the proposer before sampling (no tree step;
+    every request greedy)."""
     from types import SimpleNamespace
 
+    greedy = SimpleNamespace(all_greedy=True, logitsprocs=SimpleNamespace(non_argmax_invariant=[]))
     return proposer.verify(
         req_ids, live_req_ids, tokens, logits, SimpleNamespace(num_draft_tokens=num_draft_tokens),
-        None, None, lambda: [],
+        greedy, None, lambda: [],
     )
 
 

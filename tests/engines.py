@@ -11,7 +11,8 @@ if, at the first differing token, the no-speculation run's top-2 logprobs are wi
 ``NEAR_TIE`` and the recycling run took the other of the two.
 
 Sampled output with speculation must have the distribution of the output without it:
-``chi_square`` compares the two runs' joint distributions of the first tokens.
+``chi_square`` compares the two runs' joint distributions of the first tokens. Seeded sampled
+requests must give the very tokens they give without it (``run_seeded``).
 """
 
 from __future__ import annotations
@@ -127,6 +128,46 @@ SAMPLED_TOKENS = 3
 SAMPLED = dict(temperature=1.0, top_k=4, top_p=0.95, presence_penalty=0.7)
 
 
+# Seeded requests, each with its own seed and one of these settings, mixed in every batch: with
+# speculation they must give the tokens they give without it (and so the same when repeated).
+SEEDED_PROMPTS = random_prompts(16, seed=3, vocab_size=TINY_VOCAB)
+SEEDED_TOKENS = 24
+SEEDED_SETTINGS = [
+    dict(temperature=0.7),
+    dict(temperature=1.0, top_p=0.9),
+    dict(temperature=0.9, top_k=5),
+    dict(temperature=1.0, min_p=0.05),
+    dict(temperature=0.8, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3),
+    dict(temperature=1.0, logit_bias={5: 3.0, 17: -2.0, 100: 5.0}),
+    dict(temperature=0.85, top_k=20, top_p=0.8, min_p=0.02),
+    dict(temperature=0, logit_bias={7: 4.0, 9: 2.5}),
+]
+
+
+def seeded_params(**kwargs) -> list:
+    """One request per SEEDED_PROMPTS entry: seed 100 + i, setting i mod 8."""
+    from vllm import SamplingParams
+
+    return [SamplingParams(max_tokens=SEEDED_TOKENS, ignore_eos=True, seed=100 + i,
+                           **SEEDED_SETTINGS[i % len(SEEDED_SETTINGS)], **kwargs)
+            for i in range(len(SEEDED_PROMPTS))]
+
+
+def top_logprobs(outputs) -> list[list[dict[int, float]]]:
+    """Per request, per emitted position: {token: logprob} of the top ones and the token's."""
+    return [[{t: lp.logprob for t, lp in position.items()} for position in o.outputs[0].logprobs]
+            for o in outputs]
+
+
+def run_seeded(llm, batch: int = 8) -> list[list[int]]:
+    """The seeded requests' tokens, ``batch`` requests per ``generate``."""
+    params = seeded_params()
+    out = []
+    for i in range(0, len(SEEDED_PROMPTS), batch):
+        out += token_ids(llm.generate(SEEDED_PROMPTS[i:i + batch], params[i:i + batch], use_tqdm=False))
+    return out
+
+
 def greedy(max_tokens: int = TINY_TOKENS, **kwargs):
     from vllm import SamplingParams
 
@@ -147,7 +188,9 @@ def run_tiny_suite(llm) -> dict:
     - ``penalty``: the same with repetition and frequency penalties (the draft rows' history);
     - ``stop``: stop strings taken from the middle of each plain greedy text (no-speculation
       engine) and the (text, finish reason) of each answer;
-    - ``sampled``: SAMPLED_REQUESTS draws of the first tokens after one prompt.
+    - ``sampled``: SAMPLED_REQUESTS draws of the first tokens after one prompt;
+    - ``seeded``: the seeded requests in batches of 8 (``run_seeded``), ``seeded_one`` the
+      first four alone (batch 1), ``seeded_logprobs`` the first eight's top-2 logprobs.
     """
     from vllm_recycling.tools.models import TINY_VOCAB_SIZE
 
@@ -162,6 +205,11 @@ def run_tiny_suite(llm) -> dict:
     prompt = [TINY_PROMPTS[0]] * SAMPLED_REQUESTS
     answers = llm.generate(prompt, sampled_params([None] * SAMPLED_REQUESTS), use_tqdm=False)
     out["sampled"] = [tuple(o.outputs[0].token_ids) for o in answers]
+    out["seeded"] = run_seeded(llm)
+    out["seeded_one"] = [token_ids(llm.generate([p], [q], use_tqdm=False))[0]
+                         for p, q in zip(SEEDED_PROMPTS[:4], seeded_params()[:4])]
+    out["seeded_logprobs"] = top_logprobs(
+        llm.generate(SEEDED_PROMPTS[:8], seeded_params(logprobs=2)[:8], use_tqdm=False))
     return out
 
 

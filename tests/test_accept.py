@@ -1,6 +1,6 @@
-"""The acceptance rule the plugin and the reference decoder share (``paths.choose_paths``, then
-the chain verified as vLLM's rejection sampler does: ``tools.accept``), exactly for greedy
-requests and by its output distribution for sampled ones."""
+"""The acceptance rule the plugin and the reference decoder share (every row sampled with its
+output position's noise, the tree walked by the sampled tokens: ``paths.walk_sampled``,
+``tools.accept``), exactly for greedy requests and by its output distribution for sampled ones."""
 
 import math
 
@@ -9,7 +9,7 @@ import torch
 
 from vllm_recycling.kernels.draft_tree import draft_tree as draft_tokens
 from vllm_recycling.tools import accept as accept_module
-from vllm_recycling.tools.accept import accept_tree, apply_top_k_top_p, verify_chain
+from vllm_recycling.tools.accept import accept_tree, apply_top_k_top_p
 from vllm_recycling.tree import compile_tree
 from vllm_recycling.tree_step import TreeLayout
 
@@ -59,17 +59,6 @@ def test_chain_template_and_one_node_tree():
     one = TreeLayout.from_template(compile_tree([[0]], topk=1), "cpu")
     out = accept_tree(one, torch.tensor([[5, 6], [5, 6]]), _logits(torch.tensor([[6, 7], [1, 2]])))
     assert out.output_tokens.tolist() == [[6, 7], [1, -1]]
-
-
-def test_verify_chain_rejects_padding_and_unknown_draws():
-    """A padding draft (-1) and a sampled draft with no draft probability are rejected; greedy
-    drafts are accepted only as the argmax."""
-    logits = _logits(torch.tensor([[3, 4, 5], [3, 4, 5]])).view(2, 3, -1)
-    greedy = verify_chain(torch.tensor([[3, -1], [3, 4]]), logits)
-    assert greedy[0].tolist() == [1, 2] and greedy[1].tolist() == [[3, 4, -1], [3, 4, 5]]
-    gen = torch.Generator().manual_seed(0)
-    sampled = verify_chain(torch.tensor([[3, 4]]), logits[:1] * 100, torch.tensor([1.0]), generator=gen)
-    assert sampled[0].tolist() == [0] and sampled[1].tolist() == [[3, -1, -1]]  # p is one-hot on 3
 
 
 def test_top_k_top_p_masks_like_vllm():
@@ -143,15 +132,17 @@ def test_sampled_acceptance_keeps_target_distribution(temperature, top_k, top_p)
 
 
 def test_a_biased_walk_fails_the_same_test(monkeypatch):
-    """The statistic has power: walking to a child drawn almost uniformly (q at temperature x 100)
-    while claiming draft probabilities that make every drafted child accepted is rejected."""
-    choose = accept_module.choose_paths
+    """The statistic has power: a walk that takes each parent's sampled token to be one of its
+    children's (every drafted child accepted, the drafts emitted) is rejected."""
+    walk = accept_module.walk_sampled
 
-    def biased(step, logits, tokens, starts, temperature=None, uniform=None):
-        path, q, q_tokens = choose(step, logits, tokens, starts, temperature * 100, uniform)
-        return path, q * 1e-3, q_tokens
+    def biased(rows, tokens, sampled):
+        child = rows.depth > 0
+        sampled = sampled.clone()
+        sampled[rows.parent[child]] = tokens[child].to(sampled.dtype)
+        return walk(rows, tokens, sampled)
 
-    monkeypatch.setattr(accept_module, "choose_paths", biased)
+    monkeypatch.setattr(accept_module, "walk_sampled", biased)
     observed, expected = _run(1.0, None, None, samples=40000, seed=0)
     chi2 = float(((observed - expected) ** 2 / expected).sum())
     assert chi2 > 10 * _chi_square_critical(V**SEQ - 1)

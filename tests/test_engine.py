@@ -3,7 +3,7 @@ model): every request's output with recycling equals its output without speculat
 (``conftest.tiny_base``), greedy at batch 12, with penalties, stop strings, stop tokens,
 max_tokens, aborts, preemption, trees cut by the step's token budget, mixed greedy and sampled
 batches; sampled output keeps the target distribution; seeded requests repeat with
-per-request matrices; snapshots.
+per-request matrices (``test_seeded.py``: and give the tokens of no speculation); snapshots.
 
 One engine per configuration, shared by the tests that need it (module fixtures). Tests that
 start engines of their own come after the last test of the module's engine: an in-process
@@ -18,7 +18,7 @@ pytest.importorskip("vllm")
 
 from engines import (  # noqa: E402
     SAMPLED_REQUESTS, TINY_PROMPTS, TINY_TOKENS, TINY_VOCAB, check_greedy_identity, chi_square,
-    chi_square_critical, engine, greedy, pin_step_cost, random_prompts, run_tiny_suite,
+    chi_square_critical, engine, greedy, pin_step_cost, random_prompts, run_seeded, run_tiny_suite,
     sampled_params, spec_counters, token_ids, unpin_step_cost,
 )
 
@@ -65,10 +65,10 @@ def test_stop_strings_cut_where_they_do_without_speculation(tiny_base, recycled)
 
 def test_sampled_distribution_equals_no_speculation(tiny_base, recycled):
     """The joint distribution of the first tokens of SAMPLED_REQUESTS requests (temperature 1,
-    top-k 4, top-p 0.95, presence penalty) with recycling against without: each sampled
-    request walks its tree by drawing children from q (the target restricted to the children),
-    and vLLM's rejection sampler verifies the path with q as draft probabilities, so the two
-    must agree (two-sample chi-square, p = 0.001)."""
+    top-k 4, top-p 0.95, presence penalty; unseeded) with recycling against without: every row
+    of a tree is sampled with its output position's noise and the tree walked by the sampled
+    tokens, so each emitted token is what its position samples and the two must agree
+    (two-sample chi-square, p = 0.001)."""
     stat, df = chi_square(tiny_base["sampled"], recycled["sampled"])
     accepted = recycled["counters"]["accepted"]
     print(f"\nsampled: chi-square {stat:.1f} on {df} degrees of freedom "
@@ -76,6 +76,27 @@ def test_sampled_distribution_equals_no_speculation(tiny_base, recycled):
     assert df >= 5  # enough distinct outcomes for the test to mean something
     assert stat < chi_square_critical(df)
     assert len(set(recycled["sampled"])) > 1 and len(recycled["sampled"]) == SAMPLED_REQUESTS
+
+
+def test_seeded_requests_give_the_tokens_of_no_speculation(tiny_base, recycled, tiny_recycling):
+    """Sixteen seeded requests of eight settings (temperature 0.7-1.0, top-p, top-k, min-p,
+    repetition / presence / frequency penalties, logit bias, greedy with a logit bias) mixed
+    in batches of 8, and four alone: every token as without speculation, and again when
+    repeated on the hotter matrix the suite left (other drafts, the same tokens)."""
+    base = tiny_base["seeded"]
+    assert len(set(map(tuple, base))) == len(base)  # the settings and seeds all tell apart
+    assert tiny_base["seeded_one"] == base[:4]  # no speculation: batch 1 as batch 8
+    assert recycled["seeded"] == base
+    assert recycled["seeded_one"] == base[:4]
+    # each emitted position's logprobs (raw, as a plain step returns them), sampled rows too
+    for want, got in zip(tiny_base["seeded_logprobs"], recycled["seeded_logprobs"], strict=True):
+        assert [sorted(p) for p in got] == [sorted(p) for p in want]
+        for p, q in zip(want, got):
+            assert all(abs(p[t] - q[t]) < 1e-4 for t in p)
+    before = spec_counters(tiny_recycling)
+    assert run_seeded(tiny_recycling) == base
+    after = spec_counters(tiny_recycling)
+    assert after["accepted"] > before["accepted"]
 
 
 def test_chi_square_sees_a_biased_sampler(tiny_base):
@@ -152,19 +173,20 @@ def test_drafts_reach_the_scheduler_without_their_own_rpc(tiny_base, tiny_recycl
 # -- other configurations ------------------------------------------------------------------------
 
 def test_chi_square_sees_a_biased_tree_rule(tiny_model, tiny_base, monkeypatch):
-    """The same test through the engine fails for a biased tree rule: each sampled request
-    walks to a child drawn uniformly (q at temperature x 100) and its draft probabilities are
-    shrunk so that vLLM accepts every drafted child."""
+    """The same test through the engine fails for a biased tree rule: each sampled request's
+    walk takes the token sampled at a node to be one of its children's, so that every drafted
+    child is accepted and emitted."""
     import vllm_recycling.verifier as verifier
 
-    choose, probabilities = verifier.choose_paths, verifier.draft_probabilities
+    walk = verifier.walk_sampled
 
-    def uniform_walk(step, logits, tokens, starts, temperature=None, uniform=None):
-        hot = None if temperature is None else temperature * 100
-        return choose(step, logits, tokens, starts, hot, uniform)
+    def biased(rows, tokens, sampled):
+        child = rows.depth > 0
+        sampled = sampled.clone()
+        sampled[rows.parent[child]] = tokens[child].to(sampled.dtype)
+        return walk(rows, tokens, sampled)
 
-    monkeypatch.setattr(verifier, "choose_paths", uniform_walk)
-    monkeypatch.setattr(verifier, "draft_probabilities", lambda *a: probabilities(*a) * 1e-3)
+    monkeypatch.setattr(verifier, "walk_sampled", biased)
     # the matrix's tree alone: the power of the test against a biased walk over matrix children
     # (the lossless test above runs with the context branch, the default)
     spec = {**RECYCLING, "context_match": False}
@@ -217,12 +239,15 @@ def test_auto_budget_greedy_identical(tiny_model, tiny_base):
         llm.collective_rpc(pin_step_cost(0.001))
         out = token_ids(llm.generate(TINY_PROMPTS, greedy(), use_tqdm=False))
         counters = spec_counters(llm)
+        seeded = run_seeded(llm)
+        seeded_accepted = spec_counters(llm)["accepted"] - counters["accepted"]
         llm.collective_rpc(unpin_step_cost)
         top_k_only = SamplingParams(max_tokens=20, temperature=1.0, top_k=4, ignore_eos=True)
         sampled = token_ids(llm.generate(TINY_PROMPTS[:4], top_k_only, use_tqdm=False))
     assert check_greedy_identity(tiny_base["greedy"], out)["near_ties"] == []
     assert counters["drafts"] > 0 and counters["accepted"] > 0
     assert [len(t) for t in sampled] == [20] * 4
+    assert seeded == tiny_base["seeded"] and seeded_accepted > 0  # the subsets change, not the tokens
 
 
 @pytest.mark.parametrize(
@@ -242,17 +267,17 @@ def test_other_scopes_greedy_identical(tiny_model, tiny_base, scope, verify, ini
         out = token_ids(llm.generate(TINY_PROMPTS, greedy(), use_tqdm=False))
         counters = spec_counters(llm)
         draws = [token_ids(llm.generate([TINY_PROMPTS[0]] * 16, seeded, use_tqdm=False)) for _ in range(2)]
+        mixed = run_seeded(llm)
     assert check_greedy_identity(tiny_base["greedy"], out)["near_ties"] == []
+    assert mixed == tiny_base["seeded"]  # seeded tokens as without speculation, chains too
     nodes = load_tree("2.2.2", 8).num_nodes if verify == "tree" else DEFAULT_CHAIN_LENGTH
     context = CONTEXT_LENGTH if verify == "tree" else 0  # the context nodes that have a token
     assert counters["drafts"] > 0
     assert counters["drafts"] * nodes <= counters["draft_tokens"] <= counters["drafts"] * (nodes + context)
     assert counters["accepted"] > 0
-    if scope == "per_request":
-        # each request starts from a new matrix of its own (the prior, or empty), so its drafts,
-        # and with them its seeded draws, repeat (with a shared part they depend on the traffic
-        # before)
-        assert draws[0] == draws[1] and len(set(map(tuple, draws[0]))) > 1
+    # seeded draws are those of no speculation, whatever the drafts (the matrix of a shared
+    # scope depends on the traffic before)
+    assert draws[0] == draws[1] and len(set(map(tuple, draws[0]))) > 1
 
 
 @pytest.mark.parametrize("scope", ["shared", "overlay"])

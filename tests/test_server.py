@@ -288,6 +288,35 @@ def test_server_spec_decode_metrics(client, server):
 
 
 @pytest.mark.slow
+def test_server_seeded_requests_give_the_tokens_of_no_speculation(client, tiny_base):
+    """The eight settings of the seeded suite (``engines.SEEDED_SETTINGS``: min-p and logit bias
+    included, which vLLM refuses with other speculative methods) sent at once through the
+    OpenAI API to the recycling server (budget "auto"): the tokens of the in-process engine
+    without speculation."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from engines import SEEDED_PROMPTS, SEEDED_SETTINGS, SEEDED_TOKENS
+
+    def complete(i: int) -> list[int]:
+        setting = dict(SEEDED_SETTINGS[i])
+        extra = {**IGNORE_EOS, "return_token_ids": True}
+        for key in ("top_k", "min_p", "repetition_penalty"):
+            if key in setting:
+                extra[key] = setting.pop(key)
+        if "logit_bias" in setting:
+            setting["logit_bias"] = {str(t): b for t, b in setting["logit_bias"].items()}
+        answer = client.completions.create(
+            model=MODEL, prompt=SEEDED_PROMPTS[i]["prompt_token_ids"], max_tokens=SEEDED_TOKENS,
+            seed=100 + i, extra_body=extra, **setting,
+        )
+        return list(answer.choices[0].token_ids)
+
+    with ThreadPoolExecutor(len(SEEDED_SETTINGS)) as pool:
+        got = list(pool.map(complete, range(len(SEEDED_SETTINGS))))
+    assert got == tiny_base["seeded"][: len(SEEDED_SETTINGS)]
+
+
+@pytest.mark.slow
 def test_server_takes_its_initial_matrix_in_while_serving(client, server, held_prior):
     """The server answered before its initial matrix existed (every test above ran then); it
     takes the matrix in while serving, and its greedy answers stay the same."""

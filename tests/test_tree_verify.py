@@ -8,7 +8,9 @@ import torch
 from vllm_recycling.tree import compile_tree
 from vllm_recycling.cpu_attention import attention_groups
 from vllm_recycling.cpu_attention import tree_attention_cpu as tree_attention
-from vllm_recycling.paths import ChainPlan, choose_paths, draft_probabilities
+from vllm_recycling.paths import (
+    ChainPlan, StepRows, StepRowsOnDevice, choose_paths, compaction, tree_paths, walk_sampled,
+)
 from vllm_recycling.tree_step import TreeLayout, TreeStep
 from vllm_recycling.transfer import to_device
 
@@ -174,40 +176,35 @@ def test_choose_paths(layout):
     assert path.tolist() == [[1, 3, 5], [1, 3, -1]]
 
 
-def test_choose_paths_sampled_draws_from_the_children(layout):
-    """Request 0 is sampled (T = 0.5): under the root q over a (token 1), b (token 2) is
-    softmax([log 0.2, log 0.6] / 0.5) = (0.1, 0.9); uniform 0.05 takes a, then a's children c
-    (token 3) and d (token 3 as well: counted once) give q = (1, 0), then e. Request 1 is greedy:
-    the argmax walk, q = 0. Uniform 0.5 at the root takes b, a leaf."""
-    import math
-
-    tokens = torch.tensor([9, 1, 2, 3, 3, 5, 9, 1, 2, 3, 4, 5])
-    logits = torch.zeros(12, 10)
-    logits[0, 1], logits[0, 2] = math.log(0.2), math.log(0.6)
-    logits[6, 2] = 1.0  # request 1 (greedy) prefers b
-    step = plan(layout, [5, 5], [0, 6, 12], [20, 30])
-    starts = torch.tensor([0, 6])
-    temperature = torch.tensor([0.5, 0.0])
-    uniform = torch.tensor([[0.05, 0.99, 0.5], [0.0, 0.0, 0.0]])
-    path, q, q_tokens = choose_paths(step, logits, tokens, starts, temperature, uniform)
-    assert path.tolist() == [[1, 3, 5], [2, -1, -1]]
-    assert torch.allclose(q[0, 0, :2], torch.tensor([0.1, 0.9]))
-    assert q[0, 1].tolist() == [1.0, 0.0] and q_tokens[0, 1].tolist() == [3, 3]
-    assert q[0, 2, 0] == 1.0 and q[1].eq(0).all()
-    uniform[0, 0] = 0.5
-    path, q, _ = choose_paths(step, logits, tokens, starts, temperature, uniform)
-    assert path.tolist() == [[2, -1, -1], [2, -1, -1]] and q[0, 1:].eq(0).all()
-
-    # the chain's draft probabilities: request 0's path rows carry q, request 1's a one-hot
-    path, q, q_tokens = choose_paths(step, logits, tokens, starts, temperature,
-                                     torch.tensor([[0.05, 0.5, 0.5], [0.0, 0.0, 0.0]]))
-    plan_ = ChainPlan.build(step, path, np.array([5, 5]), np.array([0, 6]), "cpu")
-    drafts = plan_.draft_tokens(tokens)
-    assert drafts.tolist() == [1, 3, 5, 2, -1, -1]  # request 1's path b, padded to depth 3
-    probs = draft_probabilities(plan_, step, drafts, q, q_tokens, 10)
-    want = torch.zeros(6, 10)  # padding drafts: no probability (rejected, drawn from p)
-    want[0, 1], want[0, 2], want[1, 3], want[2, 5], want[3, 2] = 0.1, 0.9, 1.0, 1.0, 1.0
-    assert torch.allclose(probs, want)
+def test_walk_sampled_follows_the_sampled_tokens(layout):
+    """Request 0 has a chain (a, c: no tree), request 1 the whole tree (c and d both hold
+    token 3), request 2 no drafts. A child is accepted when its token is the one sampled at its
+    parent (the lower rank among equal siblings); the emitted tokens are those sampled at the
+    accepted rows."""
+    nodes = [np.array([1, 3]), None, None]
+    step = TreeStep.plan(layout, np.array([2, 5, 0]), np.array([0, 3, 9, 10]), np.array([5, 20, 30]),
+                         "cpu", nodes)
+    assert step.req_index.tolist() == [1]
+    rows = StepRows.build([2, 5, 0], step)
+    assert rows.row_req.tolist() == [0, 0, 0, 1, 1, 1, 1, 1, 1, 2]
+    assert rows.depth.tolist() == [0, 1, 2, 0, 1, 1, 2, 2, 3, 0]
+    assert rows.parent.tolist() == [0, 0, 1, 3, 3, 3, 4, 4, 6, 9]
+    assert rows.start.tolist() == [0, 3, 9] and rows.max_depth == 3
+    device_rows = StepRowsOnDevice.of(rows, "cpu")
+    tokens = torch.tensor([9, 4, 6, 9, 1, 2, 3, 3, 5, 9])
+    sampled = torch.tensor([4, 6, 8, 1, 3, 0, 5, 0, 7, 2])
+    accepted, output = walk_sampled(device_rows, tokens, sampled)
+    assert accepted.tolist() == [[0, 1, 2, -1], [3, 4, 6, 8], [9, -1, -1, -1]]
+    assert output.tolist() == [[4, 6, 8, -1], [1, 3, 5, 7], [2, -1, -1, -1]]
+    # under a, d (the second 3) would be followed if c were not there: nothing under d matches
+    sampled[3] = 2  # the root samples b's token: b accepted, a leaf
+    accepted, output = walk_sampled(device_rows, tokens, sampled)
+    assert accepted[1].tolist() == [3, 5, -1, -1] and output[1].tolist() == [2, 0, -1, -1]
+    path = tree_paths(step, accepted, device_rows.start[step.req_index])
+    assert path.tolist() == [[2, -1, -1]]
+    src, dst = compaction(step, path, torch.arange(100, 110))
+    # request 1's root is row 3: b (node 2, row 5) moves to the slot of depth 1 (row 4)
+    assert src.tolist() == [105, 103, 103] and dst.tolist() == [104, 103, 103]
 
 
 def test_choose_paths_reads_only_the_rows_of_a_cut_tree(layout):
@@ -314,9 +311,9 @@ def test_chain_plan_and_compaction(layout):
     src, dst = plan_.compaction(step, sampled, slots)
     # request 1: root row 4; a (node 1) stays at row 5, d (node 4, row 8) moves to row 6
     # request 2: root row 10; b (node 2, row 12) is not accepted: no move
-    # (pairs that move nothing copy the node's own slot, or past the path the root's)
-    assert src.tolist() == [105, 108, 104, 112, 110, 110]
-    assert dst.tolist() == [105, 106, 104, 112, 110, 110]
+    # (pairs that move nothing copy the node's own slot, or past the accepted nodes the root's)
+    assert src.tolist() == [105, 108, 104, 110, 110, 110]
+    assert dst.tolist() == [105, 106, 104, 110, 110, 110]
 
 
 @pytest.mark.parametrize("head_dim,isa", [(64, "vec"), (80, "vec16"), (128, "vec")])
@@ -418,8 +415,8 @@ def test_vllm_rejects_padding_drafts():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_tree_step_never_waits_for_the_gpu():
-    """The GPU path's verification of a tree step (matrix update, plan, path choice greedy and
-    sampled, chain, draft probabilities, KV moves, tree attention) with CUDA's sync debug mode
+    """The GPU path's verification of a tree step (matrix update, plan, greedy path choice and
+    chain, the sampled walk, KV moves, tree attention) with CUDA's sync debug mode
     set to raise on any host synchronisation."""
     from vllm_recycling.kernels.tree_attention import tree_attention
     from vllm_recycling.triton_path import move_slots
@@ -435,8 +432,7 @@ def test_tree_step_never_waits_for_the_gpu():
     # the step's inputs, as vLLM hands them over (already on the device)
     tokens = torch.randint(0, 10, (11,), device=device)
     logits = torch.randn(11, 10, device=device)
-    temperature = torch.tensor([0.0, 0.7], device=device)
-    uniform = torch.rand(2, layout.max_depth, device=device)
+    sampled_tokens = torch.randint(0, 10, (11,), device=device)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -447,10 +443,12 @@ def test_tree_step_never_waits_for_the_gpu():
         matrix.update(tokens[:, None], logits, matrix.slots(list("abc"))[rows])
         starts = to_device(np.array([0, 7]), torch.int64, device)
         path = choose_paths(step, logits, tokens, starts)
-        path, q, q_tokens = choose_paths(step, logits, tokens, starts, temperature, uniform)
         plan_ = ChainPlan.build(step, path, np.array([5, 0, 3]), np.array([0, 6, 7]), device)
-        drafts = plan_.draft_tokens(tokens)
-        draft_probabilities(plan_, step, drafts, q, q_tokens, 10)
+        plan_.draft_tokens(tokens)
+        # a step with a sampled request: the walk by the sampled tokens, the accepted paths
+        step_rows = StepRowsOnDevice.of(StepRows.build([5, 0, 3], step), device)
+        accepted, _ = walk_sampled(step_rows, tokens, sampled_tokens)
+        compaction(step, tree_paths(step, accepted, starts), torch.arange(100, 111, device=device))
         sampled = torch.full((3, max(plan_.num_draft_tokens) + 1), -1, dtype=torch.int32, device=device)
         src, dst = plan_.compaction(step, sampled, torch.arange(100, 111, device=device))
         kv = torch.randn(16, 2, 16, 128, device=device, dtype=torch.float16)

@@ -222,7 +222,8 @@ class AdaptiveBudget:
         """The calibration's trials of the step: (bins, accepted) arrays, for every sent node
         whose parent was accepted and every first-level node of a request sent nothing."""
         paths = {}
-        if record.verification is not None:  # vLLM has read this step's output: no wait here
+        if record.verification is not None and record.verification.path is not None:
+            # vLLM has read this step's output: no wait here
             v = record.verification
             paths = {int(b): p[p >= 0] for b, p in zip(v.req_index, v.path.cpu().numpy())}
         num_draft = None if record.plan is None else record.plan.num_draft

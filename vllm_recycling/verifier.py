@@ -1,5 +1,6 @@
 """Owns tree mode's work in a step (``verify: "tree"``): the tree rows of the step before the
-forward, then each tree request's path verified by vLLM's rejection sampler and the accepted
+forward, then each tree request's path verified (greedy steps: by vLLM's rejection sampler;
+steps with a sampled request: ``verify_sampled``, which serves chain mode too) and the accepted
 nodes' KV moved to their positions after it.
 
 The pieces are pure PyTorch (``tree_step``, ``paths``, ``cpu_attention``); this class applies
@@ -16,7 +17,9 @@ import numpy as np
 import torch
 
 from vllm_recycling import cpu_attention, triton_path
-from vllm_recycling.paths import ChainPlan, choose_paths, draft_probabilities
+from vllm_recycling.paths import (
+    ChainPlan, StepRows, StepRowsOnDevice, choose_paths, compaction, tree_paths, walk_sampled,
+)
 from vllm_recycling.support import check_tree_support
 from vllm_recycling.transfer import to_device
 from vllm_recycling.tree import TreeTemplate
@@ -61,7 +64,8 @@ class TreeVerifier:
         rejection_sampler: Callable,
         kv_caches: list[torch.Tensor],
     ):
-        """The step's ``SamplerOutput`` and each tree request's path [R, D] (on the device).
+        """A greedy step (every request greedy): the step's ``SamplerOutput`` and each tree
+        request's path [R, D] (on the device).
 
         logits [sum(N) + B, V] and tokens [sum(N) + B] (the token fed at each row: per request,
         in batch order, the root row then one row per scheduled draft); spec_decode_metadata:
@@ -75,16 +79,7 @@ class TreeVerifier:
         logits_start = np.cumsum(num_draft + 1) - (num_draft + 1)
         device = logits.device
         starts = to_device(logits_start[tree.req_index_np], torch.int64, device)
-        temperature = None
-        if not sampling_metadata.all_greedy:  # sampled requests walk their trees by draws
-            temperature = sampling_metadata.temperature[tree.req_index]  # greedy rows: 0, one-hot drafts
-        if temperature is None:
-            path = choose_paths(tree, logits, tokens, starts)
-        else:
-            path, q, q_tokens = choose_paths(
-                tree, logits, tokens, starts, temperature,
-                _path_uniforms(tree.req_index_np, self.layout.max_depth, sampling_metadata, device),
-            )
+        path = choose_paths(tree, logits, tokens, starts)
         plan = ChainPlan.build(tree, path, num_draft, logits_start, device)
         chain = SpecDecodeMetadata(
             draft_token_ids=plan.draft_tokens(tokens),
@@ -95,32 +90,52 @@ class TreeVerifier:
             bonus_logits_indices=plan.bonus_logits_indices,
             logits_indices=spec_decode_metadata.logits_indices[plan.rows],
         )
-        draft_probs = None
-        if temperature is not None:
-            draft_probs = draft_probabilities(
-                plan, tree, chain.draft_token_ids, q, q_tokens, logits.shape[1]
-            )
         sampling = _with_path_history(sampling_metadata, tokens, plan)
-        output = rejection_sampler(chain, draft_probs, logits[plan.rows], sampling)
-        src, dst = plan.compaction(tree, output.sampled_token_ids, slot_mapping)
+        output = rejection_sampler(chain, None, logits[plan.rows], sampling)
+        self._move(*plan.compaction(tree, output.sampled_token_ids, slot_mapping), kv_caches)
+        return output, plan.path
+
+    def move_accepted(self, tree: TreeStep, path: torch.Tensor, slot_mapping: torch.Tensor,
+                      kv_caches: list[torch.Tensor]) -> None:
+        """Move the accepted nodes of each tree request's ``path`` [R, D] (local indices, -1
+        past them) to their positions' slots in every cache."""
+        self._move(*compaction(tree, path, slot_mapping), kv_caches)
+
+    def _move(self, src: torch.Tensor, dst: torch.Tensor, kv_caches: list[torch.Tensor]) -> None:
         move = cpu_attention.move_slots if self.attention == "cpu" else triton_path.move_slots
         for kv_cache in kv_caches:
             move(kv_cache, src, dst)
-        return output, plan.path
 
 
-def _path_uniforms(req_index: np.ndarray, depth: int, sampling, device) -> torch.Tensor:
-    """[R, depth] uniforms for the sampled walks of the tree requests ``req_index`` (batch
-    indices): from each seeded request's own generator (``sampling.generators``, as vLLM's
-    samplers draw), so that seeded requests repeat; from the global one otherwise."""
-    uniform = torch.rand((len(req_index), depth), device=device)
-    if sampling.generators:
-        position = {int(b): r for r, b in enumerate(req_index)}
-        for b, generator in sampling.generators.items():  # seeded requests only, as vLLM does
-            r = position.get(int(b))
-            if r is not None:
-                uniform[r] = torch.rand(depth, device=device, generator=generator)
-    return uniform
+def verify_sampled(node_sampler, tree: TreeStep | None, logits: torch.Tensor, tokens: torch.Tensor,
+                   num_draft_tokens, sampling_metadata):
+    """A step with a sampled request, trees (``tree``) and chains alike: every row sampled as
+    a plain step samples its position (``node_sampler.NodeSampler``), then each request's tree
+    walked by the sampled tokens (``paths.walk_sampled``). Returns (vLLM's ``SamplerOutput``
+    in chain format, with the emitted positions' logprobs when asked; each tree request's
+    accepted path [R, D] or None without trees; the seeded generators' states,
+    ``GeneratorStates``, to rewind once the emitted tokens are known). logits [T, V] (modified
+    in place), tokens [T]: the step's rows; num_draft_tokens [B]: each request's drafts."""
+    from vllm.v1.outputs import LogprobsTensors, SamplerOutput
+
+    rows = StepRows.build(num_draft_tokens, tree)
+    on_device = StepRowsOnDevice.of(rows, logits.device)
+    per_row, states = node_sampler.sample(
+        logits, rows, on_device.row_req, on_device.depth, sampling_metadata,
+        sampling_metadata.spec_token_ids,
+    )
+    accepted, output = walk_sampled(on_device, tokens, per_row.sampled_token_ids[:, 0])
+    logprobs = per_row.logprobs_tensors
+    if logprobs is not None:  # the emitted positions' rows; past them any row (vLLM drops it)
+        emitted = accepted.clamp(min=0).reshape(-1)
+        logprobs = LogprobsTensors(
+            logprobs.logprob_token_ids[emitted], logprobs.logprobs[emitted],
+            logprobs.selected_token_ranks[emitted],
+        )
+    path = None
+    if tree is not None:
+        path = tree_paths(tree, accepted, on_device.start[tree.req_index])
+    return SamplerOutput(sampled_token_ids=output, logprobs_tensors=logprobs), path, states
 
 
 def _with_path_history(sampling, tokens: torch.Tensor, plan: ChainPlan):

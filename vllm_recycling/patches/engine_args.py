@@ -110,3 +110,38 @@ def translate_recycling_spec(engine_args: Any, target_model_config: Any) -> None
         logger.warning(
             "recycling: tree %r is not used: verify='chain' drafts the top-1 chain", config.tree
         )
+
+
+class SampleLikeAPlainStep(MethodPatch):
+    """``SamplingParams._validate_spec_decode`` (sampling_params.py:1182-1195): vLLM refuses
+    ``min_p`` and ``logit_bias`` with any speculative method, since its rejection sampler does
+    not apply them to draft rows. A recycling step with a sampled request samples every row as
+    a plain step does, with both (``node_sampler``), so the wrapper lets them through for the
+    recycling drafter only; every other method keeps vLLM's refusal. It refuses
+    ``thinking_token_budget`` instead, whose per-step state (``ThinkingBudgetStateHolder``)
+    rows sampled apart from their requests cannot share, here at the request rather than
+    in the step."""
+
+    target = "vllm.sampling_params:SamplingParams._validate_spec_decode"
+
+    @staticmethod
+    def wrap(original):
+        def _validate_spec_decode(self, speculative_config):
+            if (
+                speculative_config is not None
+                and getattr(speculative_config, "method", None) == "custom_class"
+                and getattr(speculative_config, "model", None) == PROPOSER_CLASS
+            ):
+                if getattr(self, "thinking_token_budget", None) is not None:
+                    from vllm.exceptions import VLLMValidationError
+
+                    raise VLLMValidationError(
+                        "thinking_token_budget is not supported with speculative method "
+                        "'recycling'",
+                        parameter="thinking_token_budget",
+                        value=self.thinking_token_budget,
+                    )
+                return None
+            return original(self, speculative_config)
+
+        return _validate_spec_decode

@@ -201,3 +201,32 @@ class DraftsWithSampledTokens(MethodPatch):
             return output
 
         return sample_tokens
+
+
+class PlainStepLogitsProcessors(MethodPatch):
+    """``build_logitsprocs`` as ``GPUModelRunner.__init__`` calls it
+    (v1/worker/gpu_model_runner.py:725-731; v1/sample/logits_processor/__init__.py:191-224).
+    With any speculative method vLLM builds only the min-tokens processor, so min-p and logit
+    bias would be silently dropped. A recycling runner samples every row as a plain step does
+    (``node_sampler``), so it gets the processors a plain step has; custom processors are
+    still refused as vLLM refuses them with speculation (the original call)."""
+
+    target = "vllm.v1.worker.gpu_model_runner:build_logitsprocs"
+
+    @staticmethod
+    def wrap(original):
+        def build_logitsprocs(vllm_config, device, is_pin_memory, is_pooling_model,
+                              custom_logitsprocs=()):
+            from vllm.v1.sample.logits_processor import BUILTIN_LOGITS_PROCESSORS, LogitsProcessors
+
+            from vllm_recycling.patches.engine_args import PROPOSER_CLASS
+
+            spec = vllm_config.speculative_config
+            ours = spec is not None and spec.method == "custom_class" and spec.model == PROPOSER_CLASS
+            if not ours or is_pooling_model or custom_logitsprocs:
+                return original(vllm_config, device, is_pin_memory, is_pooling_model, custom_logitsprocs)
+            return LogitsProcessors(
+                ctor(vllm_config, device, is_pin_memory) for ctor in BUILTIN_LOGITS_PROCESSORS
+            )
+
+        return build_logitsprocs

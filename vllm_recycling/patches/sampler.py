@@ -18,17 +18,20 @@ class VerifyTree(MethodPatch):
     in ``input_batch.req_ids`` order, ``num_draft_tokens[i] + 1`` each.
 
     When the drafter is ours, the wrapper (1) hands it every row so the matrix learns from the
-    whole tree (``RecyclingProposer.verify``) and, for a tree step, (2) lets it
-    pick each request's path and verify that path as a chain with vLLM's own rejection sampler
-    (``RejectionSampler.forward``, v1/sample/rejection_sampler.py:106-216) and sampling
-    metadata, then (3) move the accepted nodes' KV to their positions' slots
-    (``verifier.TreeVerifier.verify``, given the runner's sampling metadata, rejection sampler
-    and KV caches). The output is vLLM's chain format, so bookkeeping
+    whole tree (``RecyclingProposer.verify``), and (2) for a step with drafts and a sampled
+    request (trees and chains alike) lets it sample every row as a plain step samples the
+    row's output position, with the runner's ``Sampler`` (``rejection_sampler.sampler``) and
+    the batch's sampling metadata, and walk each tree by the sampled tokens
+    (``verifier.verify_sampled``); for a greedy tree step, lets it pick each request's path
+    and verify that path as a chain with vLLM's own rejection sampler
+    (``RejectionSampler.forward``, v1/sample/rejection_sampler.py:106-216); then (3) moves the
+    accepted nodes' KV to their positions' slots (given the runner's KV caches). The output is
+    vLLM's chain format, so bookkeeping
     (3530-3584), the scheduler's rollback of ``len(drafts) - accepted`` tokens
     (v1/core/sched/scheduler.py:2110-2128), stop checks and metrics work unchanged. Dummy and
     profiling runs call the rejection sampler directly (6023, 6037), never ``_sample``.
 
-    On a tree step the wrapper does not run vLLM's ``_sample`` body (3443-3460): it skips
+    On such a step the wrapper does not run vLLM's ``_sample`` body (3443-3460): it skips
     ``input_batch.update_async_output_token_ids()`` and ``_get_spec_decode_draft_probs``, which
     is right only because ``custom_class`` turns async scheduling off (see the module
     docstring) and our drafts have no probabilities (None).

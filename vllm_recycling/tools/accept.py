@@ -1,19 +1,13 @@
 """Tree acceptance for the reference decoder, by the plugin's own rule.
 
-The plugin accepts in two parts: ``paths.choose_paths`` picks one root-to-leaf path per tree
-from the verification logits (greedy: the child whose token has the highest target logit;
-sampled: a child drawn from the target distribution restricted to the children), then vLLM's
-rejection sampler verifies that path as a chain. ``accept_tree`` does the same for the
-reference decoder: the same ``choose_paths``, then ``verify_chain``, which follows vLLM's
-rejection sampler (v1/sample/rejection_sampler.py) in plain PyTorch:
-
-- greedy: each draft is accepted while it equals the target's argmax at its parent; the token
-  after the last accepted one is the argmax there (the bonus or the correction).
-- sampled: draft x, drawn from q, is accepted with probability min(1, p(x) / q(x)), p the
-  target distribution after temperature, top-k and top-p; a rejected draft is replaced by a
-  draw from max(p - q, 0) renormalised, and after the last accepted draft a token is drawn from
-  p. Any chain fixed before the draws is verified losslessly this way, and the emitted tokens
-  are distributed as the target's (tests/test_accept.py counts it).
+The plugin samples every row of a tree as a plain step samples the row's output position
+(greedy: the argmax; sampled: the processed target with the position's noise, shared by the
+nodes of a depth) and walks the tree as greedy verification does: a child is accepted when its
+token is the token sampled at its parent (``paths.walk_sampled``). ``accept_tree`` does the
+same for the reference decoder, with the noise of vLLM's ``random_sample`` (an exponential
+race) drawn from one generator. Each emitted token is then the one its position samples,
+whatever the tree, so the emitted tokens are distributed as the target's
+(tests/test_accept.py counts it).
 
 So greedy output, accepted lengths and matrix updates of the reference equal the plugin's,
 step by step, wherever the two models' logits agree.
@@ -26,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_recycling.paths import choose_paths
+from vllm_recycling.paths import StepRows, StepRowsOnDevice, walk_sampled
 from vllm_recycling.tree_step import TreeLayout, TreeStep
 
 
@@ -60,99 +54,41 @@ def accept_tree(
     batch, width = tokens.shape
     device = logits.device
     flat = tokens.reshape(-1).long()
-    starts = torch.arange(batch, device=device) * width
-    sampled = temperature is not None and bool((temperature > 0).any())
+    num_draft = np.full(batch, width - 1)
     step = TreeStep.plan(
-        layout, np.full(batch, width - 1), np.arange(batch + 1) * width, np.zeros(batch, np.int64), device,
+        layout, num_draft, np.arange(batch + 1) * width, np.zeros(batch, np.int64), device,
         None if nodes is None else [np.asarray(nodes)] * batch,
-    )
-    q = q_tokens = None
-    if step is None:  # a chain template: the path is the chain
-        path = torch.arange(1, width, device=device).repeat(batch, 1)
-        if sampled:
-            q = torch.ones((batch, width - 1, 1), device=device)
-            q_tokens = tokens[:, 1:, None].long()
-    elif not sampled:
-        path = choose_paths(step, logits, flat, starts)
-    else:
-        uniform = torch.rand((batch, layout.max_depth), generator=generator, device=device)
-        path, q, q_tokens = choose_paths(step, logits, flat, starts, temperature, uniform)
-    depth = path.shape[1]
-    on_path = path >= 0
-    nodes = torch.cat([torch.zeros((batch, 1), dtype=torch.int64, device=device), path], 1)
-    rows = starts[:, None] + torch.cat([nodes[:, :1], torch.where(on_path, path, 0)], 1)  # [B, D+1]
-    drafts = torch.where(on_path, flat.gather(0, rows[:, 1:].reshape(-1)).view(batch, depth), -1)
-    draft_q = None
-    if q is not None:  # each path node's draft distribution over the vocabulary
-        draft_q = torch.zeros((batch, depth, logits.shape[1]), device=device)
-        draft_q.scatter_add_(2, q_tokens, q)
-    num_accepted, output = verify_chain(
-        drafts, logits[rows.reshape(-1)].view(batch, depth + 1, -1), temperature, top_k, top_p,
-        draft_q, generator,
-    )
-    levels = torch.arange(depth + 1, device=device)
-    nodes = torch.where(levels[None] <= num_accepted[:, None], nodes, -1)
-    return AcceptedPaths(num_accepted, nodes, output)
+    )  # None for a chain template: each request's rows are a chain
+    rows = StepRowsOnDevice.of(StepRows.build(num_draft, step), device)
+    sampled = sample_rows(logits, rows, temperature, top_k, top_p, generator)
+    accepted, output = walk_sampled(rows, flat, sampled)
+    local = torch.where(accepted >= 0, accepted - rows.start[:, None], -1)
+    return AcceptedPaths((accepted >= 0).sum(1) - 1, local, output.long())
 
 
-def verify_chain(
-    drafts: torch.Tensor,
+def sample_rows(
     logits: torch.Tensor,
+    rows: StepRowsOnDevice,
     temperature: torch.Tensor | None = None,
     top_k: torch.Tensor | None = None,
     top_p: torch.Tensor | None = None,
-    draft_q: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Verify draft chains as vLLM's rejection sampler does. drafts [B, D] int (-1: a draft
-    that is rejected, as vLLM pads); logits [B, D+1, V]: the target after the root and after
-    each draft; temperature [B] (0: greedy), top_k [B], top_p [B] or None; draft_q [B, D, V]:
-    the distribution each sampled request's draft was drawn from (None or zero rows: a draft
-    that is rejected). Returns (accepted drafts [B], tokens [B, D+1]: the accepted drafts, the
-    next token, then -1)."""
-    batch, depth = drafts.shape
-    vocab = logits.shape[-1]
-    device = logits.device
-    drafts = drafts.long()
+) -> torch.Tensor:
+    """[T] int64: the token each row of logits [T, V] samples, as the plugin samples it: the
+    argmax for a greedy request, else exponential-race sampling (vLLM's ``random_sample``) from
+    the processed target with the noise of the row's output position, one vector per depth of
+    each request drawn from ``generator`` and shared by the depth's nodes."""
     argmax = logits.argmax(-1)  # the lowest id among equal logits, as torch and vLLM take it
-    greedy = torch.ones(batch, dtype=torch.bool, device=device) if temperature is None else temperature <= 0
-    p = None
-    if not bool(greedy.all()):
-        rows = lambda t: None if t is None else t[:, None].expand(batch, depth + 1).reshape(-1)  # noqa: E731
-        safe = torch.where(greedy, 1.0, temperature.float())
-        p = target_probs(logits.reshape(-1, vocab), rows(safe), rows(top_k), rows(top_p)).view(batch, depth + 1, vocab)
-        if draft_q is None:
-            draft_q = torch.zeros((batch, depth, vocab), device=device)
-
-    def draw(dist: torch.Tensor) -> torch.Tensor:
-        return torch.multinomial(dist, 1, generator=generator)[:, 0]
-
-    output = torch.full((batch, depth + 1), -1, dtype=torch.int64, device=device)
-    num_accepted = torch.zeros(batch, dtype=torch.int64, device=device)
-    alive = torch.ones(batch, dtype=torch.bool, device=device)
-    for d in range(depth):
-        x = drafts[:, d]
-        accept = x == argmax[:, d]
-        replacement = argmax[:, d]
-        if p is not None:
-            q = draft_q[:, d]
-            qx = q.gather(1, x.clamp(min=0)[:, None])[:, 0]
-            px = p[:, d].gather(1, x.clamp(min=0)[:, None])[:, 0]
-            u = torch.rand(batch, generator=generator, device=device)
-            accept = torch.where(greedy, accept, (x >= 0) & (qx > 0) & (u * qx < px))
-            residual = (p[:, d] - q).clamp(min=0)
-            residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[:, d])
-            replacement = torch.where(greedy, replacement, draw(residual))
-        accept &= alive
-        stop = alive & ~accept
-        output[:, d] = torch.where(accept, x, torch.where(stop, replacement, -1))
-        num_accepted += accept.long()
-        alive &= accept
-    bonus = argmax[:, depth]
-    if p is not None:
-        bonus = torch.where(greedy, bonus, draw(p[:, depth]))
-    output[:, depth] = torch.where(alive, bonus, -1)
-    return num_accepted, output
+    if temperature is None or not bool((temperature > 0).any()):
+        return argmax
+    batch, vocab = rows.start.shape[0], logits.shape[1]
+    noise = torch.empty((batch, rows.max_depth + 1, vocab), device=logits.device)
+    noise.exponential_(generator=generator)
+    greedy = temperature <= 0
+    at = lambda t: None if t is None else t[rows.row_req]  # noqa: E731
+    p = target_probs(logits, at(torch.where(greedy, 1.0, temperature.float())), at(top_k), at(top_p))
+    drawn = (p / noise[rows.row_req, rows.depth]).argmax(-1)
+    return torch.where(greedy[rows.row_req], argmax, drawn)
 
 
 def apply_top_k_top_p(

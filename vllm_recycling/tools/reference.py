@@ -3,9 +3,9 @@
 It is the oracle the vLLM integration is measured against: prefill the prompt, then each step
 draft a tree from the last token, verify it in one forward pass with a 4-D tree mask and
 positions = prefix length + depth, update the matrix from every node's logits, accept a path
-by the plugin's own rule (``tools.accept.accept_tree``: ``paths.choose_paths``, then the chain
-verified as vLLM's rejection sampler does), and keep only the root and the accepted path in
-the KV cache.
+by the plugin's own rule (``tools.accept.accept_tree``: every node sampled with its output
+position's noise, the tree walked by the sampled tokens), and keep only the root and the
+accepted path in the KV cache.
 """
 
 from __future__ import annotations

@@ -162,7 +162,7 @@ def test_proposer_per_request_matrices():
     # b preempted (live but not scheduled): its matrix makes room for d
     observe(proposer, ["c", "d"], {"b", "c", "d"}, tokens, verification_rows([2, 11]), [0, 0])
     assert proposer.propose([[5], [5]], np.array([4, 3]), None) == [[2, 0, 0], [11, 0, 0]]
-    assert proposer.slots.holders == {"c", "d"}
+    assert list(proposer.slots.holders) == ["c", "d"]
 
 
 def test_proposer_tree_step_from_plain_values():

@@ -55,17 +55,19 @@ class RecyclingProposer:
         self.hybrid = hybrid_tree(self.template, self.config.context_length, self.config.topk).to(device)
         auto = self.config.budget == "auto"
         prior = find_prior(model_config, self.config.topk) if self.config.matrix_init == "model" else None
+        initial, initial_probs = self.config.initial_matrix(vocab_size, with_probs=True) or (None, None)
         self.matrix = AdjacencyMatrix(
             vocab_size,
             topk=self.config.topk,
             scope=self.config.matrix_scope,
             max_requests=max_requests,  # one slot per live request
             device=device,
-            initial=self.config.initial_matrix(vocab_size),
+            initial=initial,
             overlay_rows=self.config.overlay_rows,
             with_probs=auto,
             salt_matrices=self.config.salt_matrices,
             prior=prior,
+            initial_probs=initial_probs,
         )
         self.slots = MatrixSlots(self.matrix, self.config, max_requests)
         self.budget = AdaptiveBudget(self.hybrid, self.config.topk, device) if auto else None

@@ -75,6 +75,55 @@ def test_register_applies_every_patch_once():
         assert not hasattr(owner.__dict__[attr].__wrapped__, _MARK)
 
 
+def test_start_up_refuses_a_patch_target_whose_signature_changed(monkeypatch):
+    """A vLLM 0.32.x whose patched function takes other parameters than the one a patch was
+    written for: start-up (the plugin's entry point) fails naming the target, instead of a
+    failure at the first step that calls it."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    def update_from_output(self, scheduler_output, model_runner_output, num_steps=1):
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(Scheduler, "update_from_output", update_from_output)
+    with pytest.raises(RuntimeError, match=(
+        r"patch drafts_from_sampled_output: vllm.v1.core.sched.scheduler:Scheduler.update_from_output "
+        r"takes \(self, scheduler_output, model_runner_output, num_steps=1\), the patch was written "
+        r"for \(self, scheduler_output, model_runner_output\)"
+    )):
+        plugin.register()
+    assert Scheduler.update_from_output is update_from_output  # left as it was
+
+
+def test_a_target_takes_one_patch(monkeypatch):
+    """A second patch of a target already wrapped by another is refused (applying every patch
+    again, as every vLLM process may, would otherwise wrap twice)."""
+    import types
+
+    from vllm_recycling.patches.base import MethodPatch
+
+    module = types.ModuleType("patched_here")
+    module.step = lambda x, y=0: x + y
+    monkeypatch.setitem(__import__("sys").modules, "patched_here", module)
+
+    class AddOne(MethodPatch):
+        target = "patched_here:step"
+        signature = "(x, y=0)"
+
+        @staticmethod
+        def wrap(original):
+            return lambda x, y=0: original(x, y) + 1
+
+    class AddTwo(AddOne):
+        @staticmethod
+        def wrap(original):
+            return lambda x, y=0: original(x, y) + 2
+
+    assert AddOne.apply() and not AddOne.apply() and module.step(1) == 2
+    with pytest.raises(RuntimeError, match="patch add_two: patched_here:step is already wrapped by patch add_one"):
+        AddTwo.apply()
+    assert module.step(1) == 2
+
+
 def test_cache_salt_reaches_the_workers_in_extra_args():
     """The engine core's Request gets its own SamplingParams copy carrying the salt; a
     SamplingParams shared by several prompts is left as it was; a client's own value under the

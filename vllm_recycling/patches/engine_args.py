@@ -38,6 +38,7 @@ class TranslateRecyclingSpecConfig(MethodPatch):
     """
 
     target = "vllm.engine.arg_utils:EngineArgs.create_speculative_config"
+    signature = "(self, target_model_config, target_parallel_config)"
 
     @staticmethod
     def wrap(original):

@@ -161,7 +161,7 @@ def test_verify_cost_tree_step_computes_each_path_as_a_sequence():
 
     tree_logits = run(ids, positions, mask, prefix + 17)
     for node in (3, 16):
-        path = [int(i) for i in tree.node_path[node] if i >= 0]
+        path = [int(i) for i in tree.ancestors[node].nonzero()]  # breadth-first: root first
         n = len(path)
         seq_mask = torch.ones(n, prefix + n, dtype=torch.bool)
         seq_mask[:, prefix:] = torch.ones(n, n, dtype=torch.bool).tril()

@@ -27,8 +27,8 @@ def plan(layout, num_draft, qsl, computed):
 
 
 def test_layout(layout):
-    assert layout.children.tolist() == [[1, 2], [3, 4], [-1, -1], [5, -1], [-1, -1], [-1, -1]]
-    assert layout.parent.tolist() == [0, 0, 0, 1, 1, 3]
+    assert layout.children_np.tolist() == [[1, 2], [3, 4], [-1, -1], [5, -1], [-1, -1], [-1, -1]]
+    assert layout.parent_np.tolist() == [0, 0, 0, 1, 1, 3]
     assert layout.depth_np.tolist() == [0, 1, 1, 2, 2, 3] and layout.max_depth == 3
 
 

@@ -92,7 +92,6 @@ impl attributes it checks; ``verifier`` builds vLLM's ``SpecDecodeMetadata`` and
 """
 
 from __future__ import annotations
-from __future__ import annotations
 
 from vllm.logger import init_logger
 

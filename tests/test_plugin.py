@@ -277,6 +277,11 @@ def test_engine_args_refuse_bad_configs(tiny_model, tmp_path, monkeypatch):
     AdjacencyMatrix(2048, topk=8).save(snapshot)  # tiny-random has 1024 tokens
     with pytest.raises(RecyclingConfigError, match="this model needs vocab_size=1024, topk=8"):
         create(matrix_snapshot=str(snapshot))
+    bad = AdjacencyMatrix(1024, topk=8, with_probs=True)
+    bad.probs.fill_(2.0)  # no confidence is above 1
+    bad.save(snapshot)
+    with pytest.raises(RecyclingConfigError, match=r"confidences .* within \[-1, 1\]"):
+        create(matrix_snapshot=str(snapshot))
     monkeypatch.setattr(vllm.envs, "VLLM_USE_V2_MODEL_RUNNER", True, raising=False)
     with pytest.raises(RecyclingConfigError, match="runs on vLLM's V1 model runner"):
         create()

@@ -30,7 +30,7 @@ def test_a_full_pool_evicts_the_least_recently_scheduled():
     for name in recent:
         slots.assign([name], live)
     slots.assign(names[16:], live)
-    assert list(slots.holders) == recent + names[16:]
+    assert list(slots.holders) == recent + names[16:] and slots.evictions == 8
     assert sorted(slots.matrix._slot_of) == sorted(recent + names[16:])
 
 

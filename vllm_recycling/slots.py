@@ -37,6 +37,7 @@ class MatrixSlots:
         # the requests holding a slot, least recently scheduled first (every rank of a
         # tensor-parallel group evicts alike: no order here depends on string hashing)
         self.holders: OrderedDict[str, None] = OrderedDict()
+        self.evictions = 0  # slots taken from preempted requests (tests, benchmarks)
         self._salt_of: dict[str, str | None] = {}  # salt scope: each request's cache_salt
         self._last_save = time.monotonic()
         if self.snapshot is not None and is_first_rank():
@@ -76,6 +77,7 @@ class MatrixSlots:
                 if evicted is not None:
                     self.matrix.free(evicted)
                     del self.holders[evicted]
+                    self.evictions += 1
             self.matrix.allocate(req_id, self._salt_of.get(req_id))
             self.holders[req_id] = None
 

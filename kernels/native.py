@@ -16,8 +16,9 @@ loop walks the nodes in breadth-first order for each request, the same lookups, 
 reference's tokens and confidences.
 
 The source is compiled with the system C compiler the first time a process needs it
-(``-O3 -march=native``, about a second) into a per-user cache keyed by the source, the flags
-and the CPU's feature flags, and loaded with ctypes. Without a C compiler, or with
+(``-O3 -march=native``, about a second) into the package's cache (``prior.cache_root``: the
+models and priors are there too) keyed by the source, the flags and the CPU's feature flags,
+and loaded with ctypes. Without a C compiler, or with
 ``VLLM_RECYCLING_NATIVE=0``, ``available()`` is False and the callers use the PyTorch
 reference (a warning says why, once).
 """
@@ -36,6 +37,8 @@ import warnings
 from pathlib import Path
 
 import torch
+
+from vllm_recycling.prior import cache_root  # the package's one cache root
 
 NATIVE_ENV = "VLLM_RECYCLING_NATIVE"
 SOURCE = Path(__file__).with_name("native.c")
@@ -89,18 +92,13 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "vllm-recycling"
-
-
 def _build() -> Path:
     cc = _compiler()
     source = SOURCE.read_bytes()
     key = hashlib.sha256(
         b"\0".join([source, " ".join([cc, *FLAGS]).encode(), _cpu_flags().encode(), platform.machine().encode()])
     ).hexdigest()[:16]
-    target = _cache_dir() / f"native-{key}.so"
+    target = cache_root() / f"native-{key}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

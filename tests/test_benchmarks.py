@@ -11,6 +11,7 @@ from vllm_recycling.tools.prompts import seeded_sample, spec_bench_questions
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import serve_bench  # noqa: E402
+import snapshot_restart  # noqa: E402
 import spec_bench  # noqa: E402
 import verify_cost  # noqa: E402
 
@@ -161,7 +162,7 @@ def test_verify_cost_tree_step_computes_each_path_as_a_sequence():
 
     tree_logits = run(ids, positions, mask, prefix + 17)
     for node in (3, 16):
-        path = [int(i) for i in tree.node_path[node] if i >= 0]
+        path = [int(i) for i in tree.ancestors[node].nonzero()]  # breadth-first: root first
         n = len(path)
         seq_mask = torch.ones(n, prefix + n, dtype=torch.bool)
         seq_mask[:, prefix:] = torch.ones(n, n, dtype=torch.bool).tril()
@@ -204,3 +205,26 @@ def test_spec_bench_table_names_the_warm_up():
     assert "Warm-up, unmeasured, on the questions outside the sample: recycling 2.2.2 warm: " \
            "2 prompts, 192 tokens." in md
     assert "| qa |" in md and md.count("Warm-up") == 1
+
+
+def test_snapshot_restart_table_only_is_a_version_1_snapshot(tmp_path):
+    """The benchmark's "table only" variant: the same table, no confidences, format 1."""
+    import torch
+
+    from vllm_recycling.matrix import AdjacencyMatrix, load_snapshot
+
+    m = AdjacencyMatrix(7, 2, with_probs=True)
+    m.table[3] = torch.tensor([4, 1], dtype=torch.int32)
+    m.probs[3] = torch.tensor([0.5, 0.25], dtype=torch.float16)
+    path = tmp_path / "adj.safetensors"
+    m.save(path)
+    snapshot_restart.table_only(str(path))
+    table, probs = load_snapshot(path, 7, 2, with_probs=True)
+    assert torch.equal(table, m.table) and probs is None
+    report = {"date": "d", "machine": "m", "vllm": "v", "model": "x", "seed": 0, "prompts": 2,
+              "max_tokens": 8, "matrix_init": "model", "command": "c",
+              "results": {"no restart": {"tokens_per_step": 1.5, "tokens": 3, "accepted": 1, "drafts": 1,
+                                         "draft_tokens": 2},
+                          "restored": {"tokens_per_step": 1.2, "tokens": 6, "accepted": 1, "drafts": 1,
+                                       "draft_tokens": 2}}}
+    assert "| restored | 1.200 | 0.800x | 6 | 1 | 1 | 2 |" in snapshot_restart.markdown(report)

@@ -360,3 +360,42 @@ def test_step_cost_needs_two_sizes():
 def test_profile_sizes():
     assert profile_sizes(2) == [1, 2]
     assert profile_sizes(20) == [1, 2, 3, 4, 6, 9, 14, 20]
+
+
+
+def drafting_steps_after_a_stall(stall: int, steps: int) -> list[bool]:
+    """Whether each step drafts, with 16 requests decoding, 4 nodes each surviving at most 0.5,
+    each step timed into the fit and the fit agreed on as ``AdaptiveBudget.learn`` does: 300
+    steps drafting every other step (a drafting step costs 2 ms beyond its tokens), then
+    ``stall`` pairs of a drafting step of 2 s (the machine stalled) and a plain step at normal
+    speed, then ``steps`` steps at normal speed, drafting where the budget says so."""
+    from vllm_recycling.budget import SYNC_STEPS
+
+    cost = StepCost([1, 16, 64, 256], [0.03, 0.06, 0.15, 0.5])
+    forced = [i % 2 == 0 for i in range(300)] + [True, False] * stall
+    drafts = []
+    for i in range(len(forced) + steps):
+        drafting = forced[i] if i < len(forced) else not nothing_pays(0.5, cost, 16, 16, 64)
+        tokens = 16 + 64 * drafting
+        seconds = float(cost.profile(np.array([tokens]))[0]) + 0.01 + 0.002 * drafting
+        if i >= 300 and i < len(forced) and drafting:
+            seconds = 2.0
+        cost.observe(tokens, 0, 0.0, seconds, drafted=drafting)
+        drafts.append(drafting)
+        n = i + 1
+        if n % SYNC_STEPS == 0 or (n < SYNC_STEPS and not n & (n - 1)):
+            cost.agree()
+    return drafts[len(forced):]
+
+
+def test_drafting_resumes_after_a_few_slow_steps():
+    """A few drafting steps during a stall of the machine make a drafting step look dear; plain
+    steps never measure it again, so its cost decays (as the tree term's does) and a stalled
+    step moves the fit by a bounded amount: drafting comes back within a few agreements, and
+    stays (without either, 20 slow steps stopped drafting for good)."""
+    assert all(drafting_steps_after_a_stall(0, 200))
+    for stall in (1, 5, 20):
+        after = drafting_steps_after_a_stall(stall, 2000)
+        assert True in after, f"{stall} slow steps: no drafting in the 2000 steps after them"
+        resumed = after.index(True)
+        assert resumed <= 10 * 32 and all(after[resumed:]), (stall, resumed)

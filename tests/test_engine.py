@@ -385,6 +385,36 @@ def test_snapshot_saved_at_shutdown_and_loaded_at_start(tiny_model, tmp_path):
     assert torch.equal(start, saved)
 
 
+def test_restored_rows_are_sent_under_the_auto_budget(tiny_model, tiny_base, tmp_path):
+    """budget "auto" with a snapshot: the restored rows carry the confidences they were saved
+    with, so the budget sends them from the first steps after a restart. (Restored with zero
+    confidences, they fell in the calibration's lowest bin and were sent nothing until
+    verification wrote them again: a restart drafted like a cold start.) An empty initial
+    matrix and no context branch: every draft comes from a matrix row, and the first tokens
+    of a request read rows its own steps have not written yet."""
+    import torch
+
+    path = tmp_path / "adj.safetensors"
+    spec = {"method": "recycling", "matrix_snapshot": str(path), "matrix_snapshot_interval": 0,
+            "matrix_init": "empty", "context_match": False}
+    first_tokens, probs = [], []
+    for restart in (False, True):
+        with engine(tiny_model, speculative_config=spec, disable_log_stats=False) as llm:
+            llm.collective_rpc(pin_step_cost(0.001))
+            probs += llm.collective_rpc(lambda w: w.model_runner.drafter.matrix.probs[:TINY_VOCAB].clone())
+            llm.generate(TINY_PROMPTS, greedy(3), use_tqdm=False)
+            first_tokens.append(spec_counters(llm))
+            if not restart:  # learn, then save at shutdown
+                out = token_ids(llm.generate(TINY_PROMPTS, greedy(), use_tqdm=False))
+                probs += llm.collective_rpc(lambda w: w.model_runner.drafter.matrix.probs[:TINY_VOCAB].clone())
+    assert check_greedy_identity(tiny_base["greedy"], out)["near_ties"] == []
+    assert first_tokens[0]["drafts"] == 0  # a cold start: nothing written, nothing sent
+    assert first_tokens[1]["drafts"] >= len(TINY_PROMPTS) and first_tokens[1]["accepted"] > 0, first_tokens
+    fresh, learnt, restored = probs
+    assert not fresh.any() and int((learnt.abs().amax(1) > 0).sum()) > 100
+    assert torch.equal(restored, learnt)
+
+
 def test_start_after_a_kill_during_a_snapshot_save(tiny_model, tmp_path):
     """The engine that starts after a process was SIGKILLed mid-save loads the last complete
     snapshot and removes the half-written temporary file."""

@@ -106,6 +106,45 @@ def test_snapshot_round_trip(tmp_path):
     assert [p.name for p in path.parent.iterdir()] == ["adj.safetensors"]  # no temp file left
 
 
+def test_snapshot_keeps_the_rows_confidences(tmp_path):
+    """budget "auto": the snapshot (format 2) holds each row's confidences beside the table,
+    and a matrix started from it reads them back (the prior's negated ones included); saved
+    without confidences (budget "fixed") it holds the table alone."""
+    m = AdjacencyMatrix(7, 2, with_probs=True)
+    m.update(torch.tensor([[3, 5]]), _rows(7, [4, 1]))
+    m.probs[6] = torch.tensor([-0.5, -0.25], dtype=torch.float16)  # a prior row
+    path = tmp_path / "adj.safetensors"
+    m.save(path)
+    table, probs = load_snapshot(path, 7, 2, with_probs=True)
+    assert torch.equal(table, m.table) and torch.equal(probs, m.probs)
+    assert probs[3].tolist()[0] > 0.9 and probs[0].tolist() == [0, 0]
+    warm = AdjacencyMatrix(7, 2, initial=table, initial_probs=probs, with_probs=True)
+    assert torch.equal(warm.probs, m.probs)
+    AdjacencyMatrix(7, 2).save(path)
+    assert load_snapshot(path, 7, 2, with_probs=True)[1] is None
+
+
+def test_a_version_1_snapshot_still_loads(tmp_path):
+    """Format 1 held the table only: its rows equal to the prior's take the prior's (negated)
+    confidences, the others none."""
+    from safetensors.torch import save_file
+
+    prior_table = torch.tensor([[1, 2]] * 7, dtype=torch.int32)
+    prior_probs = torch.full((7, 2), 0.25, dtype=torch.float16)
+    saved = prior_table.clone()
+    saved[3] = torch.tensor([4, 0])  # a row verification wrote
+    path = tmp_path / "adj.safetensors"
+    meta = {"format": "vllm-recycling-adjacency", "version": "1", "vocab_size": "7", "topk": "2"}
+    save_file({"adjacency": saved}, str(path), metadata=meta)
+    table, probs = load_snapshot(path, 7, 2, with_probs=True)
+    assert torch.equal(table, saved) and probs is None
+    m = AdjacencyMatrix(7, 2, initial=table, initial_probs=probs, with_probs=True,
+                        prior=(prior_table, prior_probs))
+    assert torch.equal(m.table, saved)
+    assert m.probs[3].tolist() == [0, 0]
+    assert m.probs[[0, 1, 2, 4, 5, 6]].eq(-0.25).all()
+
+
 def test_snapshot_errors(tmp_path):
     m = AdjacencyMatrix(7, 2)
     path = tmp_path / "adj.safetensors"
@@ -137,6 +176,16 @@ def test_snapshot_errors(tmp_path):
         load_snapshot(forged, 7, 2)
     with pytest.raises(SnapshotError, match="per_request"):
         AdjacencyMatrix(7, 2, scope="per_request").save(tmp_path / "x.safetensors")
+    meta["version"] = "3"
+    save_file({"adjacency": torch.zeros(7, 2, dtype=torch.int32)}, str(forged), metadata=meta)
+    with pytest.raises(SnapshotError, match="format version '3', expected one of '1', '2'"):
+        load_snapshot(forged, 7, 2)
+    meta["version"] = "2"
+    bad = torch.full((7, 2), 1.5, dtype=torch.float16)
+    save_file({"adjacency": torch.zeros(7, 2, dtype=torch.int32), "probs": bad}, str(forged), metadata=meta)
+    assert load_snapshot(forged, 7, 2).eq(0).all()  # the table alone does not read them
+    with pytest.raises(SnapshotError, match=r"confidences torch.float16 \(7, 2\), expected .* within \[-1, 1\]"):
+        load_snapshot(forged, 7, 2, with_probs=True)
 
 
 # -- overlay scope: the shared matrix read through each request's own recent rows --------------

@@ -17,6 +17,7 @@ from vllm_recycling.config import RecyclingConfig, RecyclingConfigError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import soak  # noqa: E402
+import soak_requests  # noqa: E402
 
 REQUESTS = 96
 SPECS = [{"method": "recycling"}, {"method": "recycling", "budget": "fixed"}]
@@ -41,15 +42,15 @@ BAD_STATUS = {
 
 
 def test_plan_is_seeded_and_has_every_kind():
-    plan = soak.build_plan(REQUESTS, seed=0)
+    plan = soak_requests.build_plan(REQUESTS, seed=0)
     assert [(r.kind, r.body, r.action) for r in plan] == [
-        (r.kind, r.body, r.action) for r in soak.build_plan(REQUESTS, seed=0)]
-    assert [r.body for r in plan] != [r.body for r in soak.build_plan(REQUESTS, seed=1)]
+        (r.kind, r.body, r.action) for r in soak_requests.build_plan(REQUESTS, seed=0)]
+    assert [r.body for r in plan] != [r.body for r in soak_requests.build_plan(REQUESTS, seed=1)]
     assert [r.index for r in plan] == list(range(REQUESTS))
     kinds = {r.kind for r in plan}
-    assert set(soak.KINDS) <= kinds
+    assert set(soak_requests.KINDS) <= kinds
     assert {k[len("bad: "):] for k in kinds if k.startswith("bad: ")} == set(BAD_STATUS)
-    assert soak.EXPECTED_STATUS == BAD_STATUS
+    assert soak_requests.EXPECTED_STATUS == BAD_STATUS
     bodies = [r.body for r in plan if r.expect_status == 200]
     assert any(b.get("n", 1) > 1 for b in bodies) and any("seed" in b for b in bodies)
     assert any("cache_salt" in b for b in bodies) and any("stop" in b for b in bodies)
@@ -60,12 +61,12 @@ def test_plan_is_seeded_and_has_every_kind():
     for r in plan:
         if r.kind in ("long prompt", "sampled long"):
             assert len(r.body["prompt"]) >= 900
-            assert len(r.body["prompt"]) + r.body["max_tokens"] <= soak.MAX_MODEL_LEN
+            assert len(r.body["prompt"]) + r.body["max_tokens"] <= soak_requests.MAX_MODEL_LEN
         if r.greedy:  # compared token by token, with the top-2 for near-ties
             assert r.body["temperature"] == 0 and r.body["ignore_eos"] and r.action == "complete"
             assert r.body.get("logprobs") in (2, True) and r.body["return_token_ids"]
-    assert any(len(r.body["prompt"]) + r.body["max_tokens"] == soak.MAX_MODEL_LEN
-               for r in soak.build_plan(1000, seed=0) if r.kind == "long prompt")
+    assert any(len(r.body["prompt"]) + r.body["max_tokens"] == soak_requests.MAX_MODEL_LEN
+               for r in soak_requests.build_plan(1000, seed=0) if r.kind == "long prompt")
 
 
 def test_server_names():
@@ -102,7 +103,7 @@ def test_soak_short(tiny_model, tmp_path):
     print("\n" + soak.tables(report))
     assert found == [], "\n".join([*found, f"server logs in {tmp_path}"])
 
-    plan = soak.build_plan(REQUESTS, seed=0)
+    plan = soak_requests.build_plan(REQUESTS, seed=0)
     kinds = report["plan"]
     assert list(report["servers"]) == ["recycling", "recycling budget=fixed", "no speculation"]
     for name, r in report["servers"].items():

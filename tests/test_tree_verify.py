@@ -29,8 +29,8 @@ def plan(layout, num_draft, qsl, computed):
 
 
 def test_layout(layout):
-    assert layout.children.tolist() == [[1, 2], [3, 4], [-1, -1], [5, -1], [-1, -1], [-1, -1]]
-    assert layout.parent.tolist() == [0, 0, 0, 1, 1, 3]
+    assert layout.children_np.tolist() == [[1, 2], [3, 4], [-1, -1], [5, -1], [-1, -1], [-1, -1]]
+    assert layout.parent_np.tolist() == [0, 0, 0, 1, 1, 3]
     assert layout.depth_np.tolist() == [0, 1, 1, 2, 2, 3] and layout.max_depth == 3
 
 
@@ -412,49 +412,82 @@ def test_vllm_rejects_padding_drafts():
         assert sampled.tolist() == [[3, 6, -1]]
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_tree_step_never_waits_for_the_gpu():
-    """The GPU path's verification of a tree step (matrix update, plan, greedy path choice and
-    chain, the sampled walk, KV moves, tree attention) with CUDA's sync debug mode
-    set to raise on any host synchronisation."""
-    from vllm_recycling.kernels.tree_attention import tree_attention
-    from vllm_recycling.triton_path import move_slots
+def verify_tree_step(device: torch.device, kv_caches: list, temperature=None):
+    """A tree step's work after the forward, as ``RecyclingProposer.verify`` does it on the
+    device: the matrix learns from every row, then ``TreeVerifier.verify`` (path choice, the
+    chain, draft probabilities when sampled, the path as the penalties' history, KV moves) with
+    repetition, frequency and presence penalties on. vLLM's rejection sampler is a stub (its
+    kernels are vLLM's). temperature [3] per request of the batch, None: all greedy."""
+    from vllm.v1.outputs import SamplerOutput
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
     from vllm_recycling.matrix import AdjacencyMatrix
+    from vllm_recycling.verifier import TreeVerifier
 
-    device = torch.device("cuda")
-    layout = TreeLayout.from_template(compile_tree(PATHS, topk=2), device)  # at start-up
+    # at start-up, and when the requests join the batch (host bookkeeping)
+    verifier = TreeVerifier(compile_tree(PATHS, topk=2), device)
+    verifier.attention = "triton" if device.type == "cuda" else "cpu"
     matrix = AdjacencyMatrix(10, 2, scope="overlay", max_requests=3, device=device, overlay_rows=16,
                              with_probs=True)
     for r in "abc":
-        matrix.allocate(r)  # host bookkeeping, when a request joins the batch
-    # the step's inputs, as vLLM hands them over (already on the device)
+        matrix.allocate(r)
+    # the step as vLLM hands it over: requests of 5, 0 and 3 drafts, inputs on the device
+    num_draft = np.array([5, 0, 3])
+    step = verifier.plan(num_draft, np.array([0, 6, 7, 11]), np.array([20, 9, 30]), None)
+    chain = SpecDecodeMetadata.make_dummy([[1, 2, 3, 4, 5], [], [6, 7, 8]], device)
+    sampling = SamplingMetadata(
+        temperature=temperature, all_greedy=temperature is None, all_random=False,
+        top_p=None, top_k=None, generators={}, max_num_logprobs=None, no_penalties=False,
+        prompt_token_ids=torch.randint(0, 10, (3, 4), device=device),
+        frequency_penalties=torch.full((3,), 0.4, device=device),
+        presence_penalties=torch.full((3,), 0.2, device=device),
+        repetition_penalties=torch.full((3,), 1.3, device=device),
+        output_token_ids=[[1, 2], [3], [4, 5, 6]], allowed_token_ids_mask=None,
+        bad_words_token_ids={}, logitsprocs=LogitsProcessors(), spec_token_ids=[[1] * 5, [], [6] * 3],
+    )
     tokens = torch.randint(0, 10, (11,), device=device)
     logits = torch.randn(11, 10, device=device)
+
+    def rejection_sampler(chain, draft_probs, logits, sampling):
+        rows = len(chain.num_draft_tokens), max(chain.num_draft_tokens) + 1
+        return SamplerOutput(torch.full(rows, -1, dtype=torch.int32, device=device), None)
+
+    return step, lambda: (
+        matrix.update(tokens[:, None], logits, matrix.slots(list("abc"))[
+            to_device(np.repeat(np.arange(3), num_draft + 1), torch.int64, device)]),
+        verifier.verify(step, torch.arange(100, 111, device=device), logits, tokens, chain, sampling,
+                        rejection_sampler, kv_caches),
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tree_step_never_waits_for_the_gpu():
+    """The GPU path's work of a tree step after its plan (``verify_tree_step``: the matrix
+    update, then ``TreeVerifier.verify`` greedy and sampled, penalties on) and its tree
+    attention, and the sampled walk's device work, with CUDA's sync debug mode set to raise on
+    any host synchronisation."""
+    pytest.importorskip("vllm")
+    from vllm_recycling.kernels.tree_attention import tree_attention
+
+    device = torch.device("cuda")
+    kv = torch.randn(16, 2, 16, 128, device=device, dtype=torch.float16)
+    query = torch.randn(11, 4, 64, device=device, dtype=torch.float16)
+    table = torch.arange(12, device=device, dtype=torch.int32).view(3, 4)
+    step, run = verify_tree_step(device, [kv])
+    tokens = torch.randint(0, 10, (11,), device=device)
     sampled_tokens = torch.randint(0, 10, (11,), device=device)
+    starts = to_device(np.array([0, 7]), torch.int64, device)
+    step_rows = StepRows.build([5, 0, 3], step)  # host bookkeeping of the step
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        step = TreeStep.plan(layout, np.array([5, 0, 3]), np.array([0, 6, 7, 11]),
-                             np.array([20, 9, 30]), device)
-        # the matrix learns from every row (RecyclingProposer.verify)
-        rows = to_device(np.repeat(np.arange(3), [6, 1, 4]), torch.int64, device)
-        matrix.update(tokens[:, None], logits, matrix.slots(list("abc"))[rows])
-        starts = to_device(np.array([0, 7]), torch.int64, device)
-        path = choose_paths(step, logits, tokens, starts)
-        plan_ = ChainPlan.build(step, path, np.array([5, 0, 3]), np.array([0, 6, 7]), device)
-        plan_.draft_tokens(tokens)
+        run()  # greedy, penalties on
         # a step with a sampled request: the walk by the sampled tokens, the accepted paths
-        step_rows = StepRowsOnDevice.of(StepRows.build([5, 0, 3], step), device)
-        accepted, _ = walk_sampled(step_rows, tokens, sampled_tokens)
+        accepted, _ = walk_sampled(StepRowsOnDevice.of(step_rows, device), tokens, sampled_tokens)
         compaction(step, tree_paths(step, accepted, starts), torch.arange(100, 111, device=device))
-        sampled = torch.full((3, max(plan_.num_draft_tokens) + 1), -1, dtype=torch.int32, device=device)
-        src, dst = plan_.compaction(step, sampled, torch.arange(100, 111, device=device))
-        kv = torch.randn(16, 2, 16, 128, device=device, dtype=torch.float16)
-        move_slots(kv, src, dst)
-        query = torch.randn(11, 4, 64, device=device, dtype=torch.float16)
-        table = torch.arange(12, device=device, dtype=torch.int32).view(3, 4)
         tree_attention(query, kv, table, step.req_index, step.rows, step.num_rows, step.prefix_len,
                        step.mask, torch.zeros_like(query), 0.125)
     finally:

@@ -76,7 +76,9 @@ class AdaptiveBudget:
         self._stats = np.zeros(4)  # timed steps, measured s, predicted s, drafts (for the log)
         self._last_log = time.perf_counter()
         self.last_admission: Admission | None = None  # the last decision (benchmarks, tests)
-        self.decision_digest = 0  # a checksum of every decision so far (tensor-parallel ranks agree)
+        # a checksum of every decision so far, compared across tensor-parallel ranks at each cost
+        # agreement (``digest_checked``)
+        self.decision_digest = 0
 
     # -- start-up --------------------------------------------------------------------------------
     def profile(self, run_tokens: Callable[[int], Any], max_tokens: int) -> None:
@@ -209,7 +211,8 @@ class AdaptiveBudget:
         self._steps += 1
         # Every rank calls this at the same steps: at 1, 2, 4, ... 32, then every 32.
         if self._steps % SYNC_STEPS == 0 or (self._steps < SYNC_STEPS and not self._steps & (self._steps - 1)):
-            self.cost.agree(tensor_parallel_mean())
+            mean = tensor_parallel_mean()  # the ranks' costs and decision digests, one all-reduce
+            self.cost.agree(None if mean is None else digest_checked(mean, self.decision_digest))
         if now - self._last_log >= LOG_INTERVAL_S and self._stats[0] > 0:
             self._log(len(batch))
             self._last_log = now
@@ -285,3 +288,31 @@ def tensor_parallel_mean():
         return (t / torch.distributed.get_world_size(group)).numpy()
 
     return mean
+
+
+class RanksDisagree(RuntimeError):
+    """The ranks of a tensor-parallel group made different draft decisions."""
+
+
+def digest_checked(mean: Callable[[np.ndarray], np.ndarray], digest: int) -> Callable[[np.ndarray], np.ndarray]:
+    """``mean`` (``tensor_parallel_mean``) that also compares this rank's ``decision_digest``
+    with every other rank's, in the same all-reduce: the means of the digest's two 16-bit halves
+    and of their squares (exact in float64) equal this rank's own on every rank only when all
+    ranks hold the same digest (else their spread is above 0 and every rank sees it). On a
+    mismatch it raises ``RanksDisagree``: the ranks would verify different trees for the same
+    scheduled drafts."""
+    halves = np.array([digest >> 16, digest & 0xFFFF], dtype=np.float64)
+
+    def checked(values: np.ndarray) -> np.ndarray:
+        values = np.asarray(values, dtype=np.float64).reshape(-1)
+        n = values.size
+        out = np.asarray(mean(np.concatenate([values, halves, halves * halves])), dtype=np.float64)
+        if not (np.array_equal(out[n : n + 2], halves) and np.array_equal(out[n + 2 :], halves * halves)):
+            raise RanksDisagree(
+                f"recycling: the tensor-parallel ranks made different draft decisions (decision "
+                f"digest {digest:08x} on this rank): their matrices, slots or calibrations "
+                "differ, and they would verify different trees; stopping"
+            )
+        return out[:n]
+
+    return checked

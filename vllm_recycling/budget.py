@@ -21,7 +21,8 @@ hardware at this batch size. Per step, over all requests of the batch:
   request with a branching tree: tree attention and path choice, timed where they run and
   averaged per tree request (a regression cannot separate it from the tokens it comes with;
   the first tree steps are not timed, and the term decays while no tree is verified, so one
-  dear measurement cannot keep trees out for good). Decisions read ``agreed`` parameters,
+  dear measurement cannot keep trees out for good; ``d`` decays alike while no step drafts, and
+  each step's residual is clipped, so a few slow steps cannot stop drafting for good). Decisions read ``agreed`` parameters,
   refreshed every ``SYNC_STEPS`` steps (averaged over tensor-parallel ranks there), so every
   rank makes the same choice.
 - ``admit``: the global top-B nodes by survival (ancestor-closed per request, since survival
@@ -83,6 +84,14 @@ TREE_WARMUP_STEPS = 2
 # Each agreement without a timed tree step multiplies the per-tree cost by this, so a cost
 # learnt when trees were dear is retried now and then (one tree step) instead of never again.
 TREE_COST_DECAY = 0.9
+# The same for the drafting-step cost d: without a timed drafting step since the last agreement
+# it decays, so a few slow steps that made drafting look dear stop it for a while, not for good
+# (no step drafts, so none would measure d again).
+DRAFT_COST_DECAY = 0.9
+# A step's residual (measured minus predicted seconds) enters the fit clipped to this share of
+# the predicted step (at least STEP_NOISE_S): a stall of the machine moves the fit by a bounded
+# amount, while a real change of cost still shows in every step that follows.
+RESIDUAL_CLIP = 0.5
 
 
 def confidence_bins(conf: torch.Tensor | np.ndarray, num_bins: int = NUM_BINS):
@@ -226,6 +235,7 @@ class StepCost:
         self.observed = 0
         self.tree_steps = 0  # steps with a branching tree seen (the first TREE_WARMUP_STEPS untimed)
         self._tree_timed = False  # a tree step timed since the last agreement
+        self._draft_timed = False  # a drafting step timed since the last agreement
         self._break_even: dict[tuple[int, int, int], float] = {}  # break_even() per agreement
 
     def profile(self, tokens: np.ndarray | torch.Tensor):
@@ -253,11 +263,15 @@ class StepCost:
             w = self.forget * self.tree_weight
             self.per_tree = (w * self.per_tree + tree_seconds) / (w + trees)
             self.tree_weight = w + trees
+        self._draft_timed |= bool(drafted)
         x = np.array([1.0, float(tokens), float(drafted)])
-        y = seconds - tree_seconds - float(self.profile(np.array([tokens]))[0])
+        profile = float(self.profile(np.array([tokens]))[0])
+        y = seconds - tree_seconds - profile
+        predicted = x @ self.theta
+        limit = RESIDUAL_CLIP * max(profile + predicted, STEP_NOISE_S)
         px = self.cov @ x
         gain = px / (self.forget + x @ px)
-        self.theta = self.theta + gain * (y - x @ self.theta)
+        self.theta = self.theta + gain * float(np.clip(y - predicted, -limit, limit))
         self.cov = (self.cov - np.outer(gain, px)) / self.forget
         trace = float(np.trace(self.cov))
         if trace > self._max_trace:
@@ -266,12 +280,15 @@ class StepCost:
 
     def agree(self, all_reduce_mean: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
         """Make the current fit the one decisions use (averaged over ranks when given). A token
-        or a drafting step never costs less than nothing: b and d are kept >= 0. Without a timed tree step since the last
-        agreement the per-tree cost decays (``TREE_COST_DECAY``; every rank verified the same
-        trees, so every rank decays alike)."""
+        or a drafting step never costs less than nothing: b and d are kept >= 0. Without a timed
+        tree step since the last agreement the per-tree cost decays (``TREE_COST_DECAY``),
+        without a timed drafting step the drafting-step cost (``DRAFT_COST_DECAY``); every rank
+        verified the same steps, so every rank decays alike."""
         if not self._tree_timed:
             self.per_tree *= TREE_COST_DECAY
-        self._tree_timed = False
+        if not self._draft_timed:
+            self.theta[2] *= DRAFT_COST_DECAY
+        self._tree_timed = self._draft_timed = False
         params = np.array([self.theta[0], max(self.theta[1], 0.0), self.per_tree, max(self.theta[2], 0.0)])
         if all_reduce_mean is not None:
             params = all_reduce_mean(params)

@@ -273,9 +273,10 @@ class RecyclingConfig:
             return template
         return compile_tree(template.paths[:k], topk=self.topk, name=f"{template.name}[:{k}]")
 
-    def initial_matrix(self, vocab_size: int) -> torch.Tensor | None:
-        """The snapshot's [V, topk] int32 matrix, checked against this model's vocabulary;
-        None without a snapshot. A missing, corrupt or mismatched file is an error."""
+    def initial_matrix(self, vocab_size: int, with_probs: bool = False):
+        """The snapshot's [V, topk] int32 matrix, checked against this model's vocabulary
+        (with_probs: and its rows' confidences, ``matrix.load_snapshot``); None without a
+        snapshot. A missing, corrupt or mismatched file is an error."""
         if self.topk > vocab_size:
             raise _field_error(
                 "topk", self.topk, f"at most the model's vocabulary size {vocab_size}"
@@ -283,7 +284,7 @@ class RecyclingConfig:
         if self.matrix_snapshot is None or not Path(self.matrix_snapshot).exists():
             return None  # no snapshot yet: start cold, the first save creates it
         try:
-            return load_snapshot(Path(self.matrix_snapshot), vocab_size, self.topk)
+            return load_snapshot(Path(self.matrix_snapshot), vocab_size, self.topk, with_probs)
         except SnapshotError as e:
             raise RecyclingConfigError(f'speculative_config["matrix_snapshot"]: {e}') from e
 

@@ -55,8 +55,12 @@ CACHE_SALT_KEY = "vllm_recycling.cache_salt"
 NO_MATRIX = -1  # salt scope: a request whose salt has no matrix yet (drafts nothing)
 DEFAULT_OVERLAY_ROWS = 4096
 SNAPSHOT_FORMAT = "vllm-recycling-adjacency"
-SNAPSHOT_VERSION = "1"
+# Version 2 holds the rows' confidences (``probs``) beside the table when the saving engine had
+# them (budget "auto"); version 1 holds the table only and still loads.
+SNAPSHOT_VERSION = "2"
+SNAPSHOT_VERSIONS = ("1", "2")
 SNAPSHOT_KEY = "adjacency"
+SNAPSHOT_PROBS_KEY = "probs"
 
 
 class SnapshotError(ValueError):
@@ -82,10 +86,12 @@ class AdjacencyMatrix:
         with_probs: bool = False,
         salt_matrices: int = DEFAULT_SALT_MATRICES,
         prior: tuple[torch.Tensor, torch.Tensor] | None = None,
+        initial_probs: torch.Tensor | None = None,
     ) -> None:
-        """initial: the shared matrix's content (a snapshot); prior: (table [V, k] int32, probs
-        [V, k] float16) every other new matrix starts from (``prior.py``), and the shared one
-        too without ``initial``; without either, every entry is token 0."""
+        """initial: the shared matrix's content (a snapshot), initial_probs its rows'
+        confidences when the snapshot holds them (``load_snapshot``); prior: (table [V, k]
+        int32, probs [V, k] float16) every other new matrix starts from (``prior.py``), and the
+        shared one too without ``initial``; without either, every entry is token 0."""
         if scope not in SCOPES:
             raise ValueError(f"matrix scope {scope!r}: expected one of {', '.join(SCOPES)}")
         if vocab_size < 1 or not 1 <= topk <= vocab_size:
@@ -106,12 +112,12 @@ class AdjacencyMatrix:
         if prior is not None:  # its probabilities negated: the budget tells its rows apart
             self.fresh.copy_(_checked(prior[0], vocab_size, topk, "prior"))
             self.fresh_probs.copy_(-prior[1].to(torch.float16).abs())
-        # The shared matrix's start: the snapshot (whose rows carry no probabilities), else fresh.
+        # The shared matrix's start: the snapshot, else fresh.
         self.initial = self.fresh.clone()
-        initial_probs = self.fresh_probs
+        start_probs = self.fresh_probs
         if initial is not None:
             self.initial.copy_(_checked(initial, vocab_size, topk, "initial matrix"))
-            initial_probs = torch.zeros_like(self.fresh_probs)
+            start_probs = snapshot_confidences(self.initial, initial_probs, self.fresh, self.fresh_probs)
         has_overlay = scope in ("overlay", "salt")
         self.overlay_rows = overlay_rows if has_overlay else 0
         self.salt_matrices = salt_matrices if scope == "salt" else 0
@@ -133,7 +139,7 @@ class AdjacencyMatrix:
         if with_probs:
             self.probs = torch.zeros(self.table.shape, dtype=torch.float16, device=device)
             matrices = 1 + self.salt_matrices if has_overlay else slots
-            self.probs[: vocab_size] = initial_probs
+            self.probs[: vocab_size] = start_probs
             self.probs[vocab_size : matrices * vocab_size] = self.fresh_probs.repeat(matrices - 1, 1)
         self._free = list(range(slots - 1, -1, -1))
         self._slot_of: dict[str, int] = {}
@@ -338,8 +344,9 @@ class AdjacencyMatrix:
 
     # -- snapshots -------------------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
-        """Write the shared matrix atomically (temp file + rename) as a .safetensors snapshot
-        (salt scope: the salts' matrices are not saved)."""
+        """Write the shared matrix atomically (temp file + rename) as a .safetensors snapshot,
+        with its rows' confidences when it has them (salt scope: the salts' matrices are not
+        saved)."""
         if self.scope == "per_request":
             raise SnapshotError("snapshots hold the shared matrix; scope is per_request")
         from safetensors.torch import save_file
@@ -355,8 +362,10 @@ class AdjacencyMatrix:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_temp_prefix(path), suffix=".tmp")
         os.close(fd)
         try:
-            shared = self.table[: self.vocab_size]
-            save_file({SNAPSHOT_KEY: shared.cpu().contiguous()}, tmp, metadata=meta)
+            tensors = {SNAPSHOT_KEY: self.table[: self.vocab_size].cpu().contiguous()}
+            if self.probs is not None:
+                tensors[SNAPSHOT_PROBS_KEY] = self.probs[: self.vocab_size].cpu().contiguous()
+            save_file(tensors, tmp, metadata=meta)
             with open(tmp, "rb") as f:  # on disk before it replaces the previous snapshot
                 os.fsync(f.fileno())
             os.replace(tmp, path)
@@ -384,8 +393,10 @@ def _temp_prefix(path: Path) -> str:
     return f".{path.name}."
 
 
-def load_snapshot(path: str | Path, vocab_size: int, topk: int) -> torch.Tensor:
-    """Read a snapshot's [V, k] int32 matrix, checking format, shape, vocabulary and values."""
+def load_snapshot(path: str | Path, vocab_size: int, topk: int, with_probs: bool = False):
+    """Read a snapshot's [V, k] int32 matrix, checking format, shape, vocabulary and values;
+    with_probs: ``(table, probs)``, probs its rows' [V, k] float16 confidences, None when the
+    snapshot holds none (version 1, or saved without the auto budget)."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -396,10 +407,10 @@ def load_snapshot(path: str | Path, vocab_size: int, topk: int) -> torch.Tensor:
             meta = f.metadata() or {}
             if meta.get("format") != SNAPSHOT_FORMAT or SNAPSHOT_KEY not in f.keys():
                 raise SnapshotError(f"matrix snapshot {path}: not a vllm-recycling snapshot")
-            if meta.get("version") != SNAPSHOT_VERSION:
+            if meta.get("version") not in SNAPSHOT_VERSIONS:
                 raise SnapshotError(
                     f"matrix snapshot {path}: format version {meta.get('version')!r}, "
-                    f"expected {SNAPSHOT_VERSION!r}"
+                    f"expected one of {', '.join(map(repr, SNAPSHOT_VERSIONS))}"
                 )
             if meta.get("vocab_size") != str(vocab_size) or meta.get("topk") != str(topk):
                 raise SnapshotError(
@@ -407,11 +418,36 @@ def load_snapshot(path: str | Path, vocab_size: int, topk: int) -> torch.Tensor:
                     f"topk={meta.get('topk')}; this model needs vocab_size={vocab_size}, topk={topk}"
                 )
             table = f.get_tensor(SNAPSHOT_KEY)
+            probs = None
+            if with_probs and meta["version"] != "1" and SNAPSHOT_PROBS_KEY in f.keys():
+                probs = f.get_tensor(SNAPSHOT_PROBS_KEY)
     except SnapshotError:
         raise
     except Exception as e:  # safetensors raises several types for truncated or garbled files
         raise SnapshotError(f"matrix snapshot {path}: unreadable ({e})") from e
-    return _checked(table, vocab_size, topk, f"matrix snapshot {path}")
+    table = _checked(table, vocab_size, topk, f"matrix snapshot {path}")
+    if not with_probs:
+        return table
+    if probs is not None and (
+        probs.dtype != torch.float16 or probs.shape != table.shape
+        or not bool((probs.abs() <= 1.0).all())  # NaN fails too
+    ):
+        raise SnapshotError(
+            f"matrix snapshot {path}: confidences {probs.dtype} {tuple(probs.shape)}, expected "
+            f"torch.float16 {tuple(table.shape)} within [-1, 1]"
+        )
+    return table, probs
+
+
+def snapshot_confidences(table: torch.Tensor, probs: torch.Tensor | None, fresh: torch.Tensor,
+                         fresh_probs: torch.Tensor) -> torch.Tensor:
+    """The confidences [V, k] of a snapshot's rows: the saved ones; for a snapshot without them,
+    the prior's (``fresh_probs``, negated) where a row is the prior's row, else 0 (a row
+    verification wrote, whose confidences were not saved)."""
+    if probs is not None:
+        return probs.to(fresh_probs.device, torch.float16)
+    same = (table == fresh).all(dim=1, keepdim=True)
+    return torch.where(same, fresh_probs, torch.zeros_like(fresh_probs))
 
 
 def _checked(table: torch.Tensor, vocab_size: int, topk: int, what: str) -> torch.Tensor:

@@ -62,17 +62,19 @@ class RecyclingProposer:
         prior, self.prior_watch = None, None
         if self.config.matrix_init == "model":
             prior, self.prior_watch = find_prior(model_config, self.config.topk, tensor_parallel_mean())
+        initial, initial_probs = self.config.initial_matrix(vocab_size, with_probs=True) or (None, None)
         self.matrix = AdjacencyMatrix(
             vocab_size,
             topk=self.config.topk,
             scope=self.config.matrix_scope,
             max_requests=max_requests,  # one slot per live request
             device=device,
-            initial=self.config.initial_matrix(vocab_size),
+            initial=initial,
             overlay_rows=self.config.overlay_rows,
             with_probs=auto,
             salt_matrices=self.config.salt_matrices,
             prior=prior,
+            initial_probs=initial_probs,
         )
         self.slots = MatrixSlots(self.matrix, self.config, max_requests)
         self.budget = AdaptiveBudget(self.hybrid, self.config.topk, device) if auto else None

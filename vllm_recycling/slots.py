@@ -11,6 +11,7 @@ shutdown.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from typing import Any, Callable, Iterable
 
 import numpy as np
@@ -33,7 +34,10 @@ class MatrixSlots:
         self.snapshot = config.matrix_snapshot
         self.snapshot_interval = config.matrix_snapshot_interval
         self.max_requests = max_requests
-        self.holders: set[str] = set()
+        # the requests holding a slot, least recently scheduled first (every rank of a
+        # tensor-parallel group evicts alike: no order here depends on string hashing)
+        self.holders: OrderedDict[str, None] = OrderedDict()
+        self.evictions = 0  # slots taken from preempted requests (tests, benchmarks)
         self._salt_of: dict[str, str | None] = {}  # salt scope: each request's cache_salt
         self._last_save = time.monotonic()
         if self.snapshot is not None and is_first_rank():
@@ -53,25 +57,29 @@ class MatrixSlots:
 
     def assign(self, batch: list[str], live: set[str]) -> None:
         """Give every request of the batch a slot: free those of finished requests, and when the
-        pool is full, those of requests not in this batch (preempted)."""
+        pool is full, those of requests not in this batch (preempted), least recently scheduled
+        first."""
         if not self.scoped:
             return
-        for req_id in self.holders - live:
+        for req_id in [r for r in self.holders if r not in live]:
             self.matrix.free(req_id)
-        self.holders &= live
+            del self.holders[req_id]
         in_batch = set(batch)
-        idle = [r for r in self.holders if r not in in_batch]
+        idle = (r for r in list(self.holders) if r not in in_batch)  # oldest first
         for req_id in batch:
             if req_id in self.holders:
+                self.holders.move_to_end(req_id)
                 if self.matrix.matrix_of(req_id) == NO_MATRIX:
                     self.matrix.allocate(req_id)  # salt scope: a matrix may be free now
                 continue
-            if len(self.holders) >= self.max_requests and idle:
-                evicted = idle.pop()
-                self.matrix.free(evicted)
-                self.holders.discard(evicted)
+            if len(self.holders) >= self.max_requests:
+                evicted = next(idle, None)
+                if evicted is not None:
+                    self.matrix.free(evicted)
+                    del self.holders[evicted]
+                    self.evictions += 1
             self.matrix.allocate(req_id, self._salt_of.get(req_id))
-            self.holders.add(req_id)
+            self.holders[req_id] = None
 
     def of(self, req_ids: list[str]) -> torch.Tensor | None:
         """The slots of ``req_ids`` on the device (``AdjacencyMatrix.slots``), None when shared."""

@@ -98,11 +98,12 @@ class Verification:
 @dataclass(frozen=True)
 class StepRecord:
     """One step, from ``begin_step`` to the ``propose`` that retires it. batch: request ids in
-    batch order."""
+    batch order; plan: None for a ``propose`` no ``begin_step`` started (nothing to learn from
+    its timing or its drafts)."""
 
     batch: tuple[str, ...]
     proposal: Proposal
-    plan: StepPlan
+    plan: StepPlan | None
     verification: Verification | None = None
 
 

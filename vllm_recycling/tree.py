@@ -36,8 +36,6 @@ class TreeTemplate:
     depth      [N+1] int64, 0 for the root
     rank       [N+1] int64, child rank under the parent (0 for the root)
     ancestors  [N+1, N+1] bool, ancestors[i, j]: j is i or an ancestor of i (the tree mask)
-    node_path  [N+1, D+1] int64, node indices from the root down to node i, -1 padded
-    earlier_sibling [N+1, N+1] bool, [i, j]: j has i's parent and j < i
     rank_path  [N+1, D] int64, the ranks taken from the root down to node i, -1 padded (lets a
                kernel compute any node's token on its own, without waiting for its parent's)
     level_starts: nodes of depth d are level_starts[d]:level_starts[d+1]
@@ -49,8 +47,6 @@ class TreeTemplate:
     depth: torch.Tensor
     rank: torch.Tensor
     ancestors: torch.Tensor
-    node_path: torch.Tensor
-    earlier_sibling: torch.Tensor
     rank_path: torch.Tensor
     level_starts: tuple[int, ...]
 
@@ -66,8 +62,7 @@ class TreeTemplate:
     def to(self, device: torch.device | str) -> "TreeTemplate":
         tensors = {
             f: getattr(self, f).to(device)
-            for f in ("parent", "depth", "rank", "ancestors", "node_path", "earlier_sibling",
-                      "rank_path")
+            for f in ("parent", "depth", "rank", "ancestors", "rank_path")
         }
         return TreeTemplate(self.name, self.paths, level_starts=self.level_starts, **tensors)
 
@@ -144,17 +139,13 @@ def compile_tree(paths: Sequence[Sequence[int]], topk: int, name: str = "inline"
     depth = [0] + [len(p) for p in ordered]
     rank = [0] + [p[-1] for p in ordered]
 
-    node_path = torch.full((n1, max_depth + 1), -1, dtype=torch.int64)
     rank_path = torch.full((n1, max_depth), -1, dtype=torch.int64)
     ancestors = torch.zeros((n1, n1), dtype=torch.bool)
     for i, p in enumerate([()] + ordered):
         chain = [index[p[:d]] for d in range(len(p) + 1)]
-        node_path[i, : len(chain)] = torch.tensor(chain)
         ancestors[i, chain] = True
         rank_path[i, : len(p)] = torch.tensor(p, dtype=torch.int64)
     parent_t = torch.tensor(parent, dtype=torch.int64)
-    idx = torch.arange(n1)
-    earlier_sibling = (parent_t[:, None] == parent_t[None, :]) & (idx[None, :] < idx[:, None])
     level_starts = tuple(depth.index(d) for d in range(max_depth + 1)) + (n1,)
     return TreeTemplate(
         name=name,
@@ -163,8 +154,6 @@ def compile_tree(paths: Sequence[Sequence[int]], topk: int, name: str = "inline"
         depth=torch.tensor(depth, dtype=torch.int64),
         rank=torch.tensor(rank, dtype=torch.int64),
         ancestors=ancestors,
-        node_path=node_path,
-        earlier_sibling=earlier_sibling,
         rank_path=rank_path,
         level_starts=level_starts,
     )

@@ -38,14 +38,12 @@ from vllm_recycling.tree import TreeTemplate
 class TreeLayout:
     """What a step needs from the template, on the step's device.
 
-    ancestors [M, M] bool (ancestor-or-self), depth [M] int64, parent [M] int64 (root: 0),
-    children [M, C] int64 (child node indices in rank order, -1 padded). M = nodes + root.
+    ancestors [M, M] bool (ancestor-or-self) on the device; on the host depth_np [M] int64,
+    parent_np [M] int64 (root: 0), children_np [M, C] int64 (child node indices in rank order,
+    -1 padded). M = nodes + root.
     """
 
     ancestors: torch.Tensor
-    depth: torch.Tensor
-    parent: torch.Tensor
-    children: torch.Tensor
     depth_np: np.ndarray
     max_depth: int
     parent_np: np.ndarray
@@ -64,9 +62,6 @@ class TreeLayout:
             children[node, : len(k)] = torch.tensor(k, dtype=torch.int64)
         return cls(
             ancestors=tree.ancestors.to(device),
-            depth=tree.depth.to(device),
-            parent=parent.clamp(min=0).to(device),
-            children=children.to(device),
             depth_np=tree.depth.cpu().numpy().astype(np.int64),
             max_depth=tree.max_depth,
             parent_np=parent.clamp(min=0).numpy().astype(np.int64),
@@ -75,7 +70,7 @@ class TreeLayout:
 
     @property
     def num_nodes(self) -> int:
-        return self.depth.numel()
+        return len(self.depth_np)
 
 
 

@@ -162,3 +162,10 @@ def test_draft_row_outside_the_table_raises():
     parent, rank = torch.tensor([-1, 0, 1]), torch.tensor([0, 0, 0])
     with pytest.raises(IndexError, match="4 rows"):
         native.draft(table, torch.tensor([1]), parent, rank)
+
+
+def test_built_into_the_package_cache(tmp_path, monkeypatch):
+    """The compiled library goes where the models and priors go: ``$VLLM_RECYCLING_CACHE``."""
+    monkeypatch.setenv("VLLM_RECYCLING_CACHE", str(tmp_path))
+    built = native._build()
+    assert built.parent == tmp_path and built.name.startswith("native-") and built.is_file()

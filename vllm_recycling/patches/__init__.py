@@ -6,7 +6,9 @@ applies none of these and only makes ``EngineArgs.create_speculative_config`` re
 ``PATCHES`` lists them; ``apply_all()`` applies each once per process (the plugin entry point
 runs in every vLLM process, possibly several times). Each patch is a ``base.MethodPatch`` that
 wraps one vLLM function, names it in its docstring with the file:line it was read from (vLLM
-0.32.0, paths relative to the ``vllm`` package), and says what it relies on there.
+0.32.0, paths relative to the ``vllm`` package), says what it relies on there, and records the
+function's parameters: a vLLM whose function takes others, or a second patch of the same
+function, is refused when the patch is applied, at start-up.
 
 The method's seams:
 - ``engine_args`` (the front end): ``TranslateRecyclingSpecConfig`` validates the user's
@@ -95,7 +97,6 @@ impl attributes it checks; ``verifier`` builds vLLM's ``SpecDecodeMetadata`` and
 ``SamplingMetadata``.
 """
 
-from __future__ import annotations
 from __future__ import annotations
 
 from vllm.logger import init_logger

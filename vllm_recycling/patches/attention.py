@@ -31,6 +31,10 @@ class TreeAttentionCPU(MethodPatch):
     """
 
     target = "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward"
+    signature = (
+        "(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, "
+        "output_block_scale=None)"
+    )
 
     @staticmethod
     def wrap(original):
@@ -61,6 +65,10 @@ class TreeAttentionTriton(MethodPatch):
     """
 
     target = "vllm.v1.attention.backends.triton_attn:TritonAttentionImpl.forward"
+    signature = (
+        "(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, "
+        "output_block_scale=None)"
+    )
 
     @staticmethod
     def wanted():

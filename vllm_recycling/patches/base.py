@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import re
 from typing import Any, Callable
 
@@ -20,10 +21,14 @@ class MethodPatch:
     """Wraps one function of vLLM once: ``wrap(original)`` returns the replacement.
 
     target: ``"module:Owner.attr"`` (a class's method) or ``"module:function"`` (a module's
-    function), imported only when the patch is applied. name: the class name in snake case,
-    marked on the wrapper so that a second ``apply`` is a no-op."""
+    function), imported only when the patch is applied. signature: the target's parameters in
+    the vLLM the patch was written for (``parameters``), compared when it is applied, so that a
+    vLLM whose target changed fails at start-up naming it, not at the first step that calls
+    it. name: the class name in snake case, marked on the wrapper so that a second ``apply`` is
+    a no-op and a second patch of the same target is refused."""
 
     target: str
+    signature: str
     name: str
 
     def __init_subclass__(cls, **kwargs) -> None:
@@ -63,6 +68,17 @@ class MethodPatch:
             )
         if getattr(current, _MARK, None) == cls.name:
             return False
+        if hasattr(current, _MARK):
+            raise RuntimeError(
+                f"vllm-recycling patch {cls.name}: {cls.target} is already wrapped by patch "
+                f"{getattr(current, _MARK)}; a target takes one patch"
+            )
+        found = parameters(current)
+        if found != cls.signature:
+            raise RuntimeError(
+                f"vllm-recycling patch {cls.name}: {cls.target} takes {found}, the patch was "
+                f"written for {cls.signature}; this vLLM is not the 0.32 the plugin was written for"
+            )
         replacement = functools.wraps(current)(cls.wrap(current))
         setattr(replacement, _MARK, cls.name)
         setattr(owner, attr, replacement)
@@ -72,6 +88,14 @@ class MethodPatch:
     def is_applied(cls) -> bool:
         owner, attr = cls.owner_and_attr()
         return getattr(owner.__dict__.get(attr), _MARK, None) == cls.name
+
+
+def parameters(function: Callable) -> str:
+    """A function's parameters as a patch records them: names, kinds and defaults, without
+    annotations (which only restate types), e.g. ``(self, logits, spec_decode_metadata)``."""
+    signature = inspect.signature(function)
+    bare = [p.replace(annotation=inspect.Parameter.empty) for p in signature.parameters.values()]
+    return str(signature.replace(parameters=bare, return_annotation=inspect.Signature.empty))
 
 
 def recycling_drafter(runner) -> RecyclingProposer | None:

@@ -43,6 +43,7 @@ class ExpandOnCPU(CpuOnly):
     """
 
     target = "vllm.v1.sample.rejection_sampler:expand_batch_to_tokens"
+    signature = "(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0)"
 
     @staticmethod
     def wrap(original):
@@ -70,6 +71,7 @@ class ConstraintsWithoutDrafts(CpuOnly):
     """
 
     target = "vllm.v1.sample.rejection_sampler:apply_sampling_constraints"
+    signature = "(logits, cu_num_draft_tokens, sampling_metadata)"
 
     @staticmethod
     def wrap(original):
@@ -100,6 +102,7 @@ class SeededChunkedPrefillOnCPU(CpuOnly):
     """
 
     target = "vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens"
+    signature = "(self, grammar_output)"
 
     @staticmethod
     def wrap(original):

@@ -38,6 +38,7 @@ class TranslateRecyclingSpecConfig(MethodPatch):
     """
 
     target = "vllm.engine.arg_utils:EngineArgs.create_speculative_config"
+    signature = "(self, target_model_config, target_parallel_config)"
 
     @staticmethod
     def wrap(original):
@@ -58,7 +59,8 @@ def translate_recycling_spec(engine_args: Any, target_model_config: Any) -> None
     from vllm_recycling.config import ADDITIONAL_CONFIG_KEY, RecyclingConfig, RecyclingConfigError
 
     config = RecyclingConfig.from_dict(engine_args.speculative_config)
-    config.initial_matrix(target_model_config.get_vocab_size())  # fail now, not in a worker
+    # a bad snapshot (its table or its confidences) fails now, not in a worker
+    config.initial_matrix(target_model_config.get_vocab_size(), with_probs=True)
     if envs.VLLM_USE_V2_MODEL_RUNNER:
         raise RecyclingConfigError(
             "speculative method 'recycling' runs on vLLM's V1 model runner; unset "
@@ -123,6 +125,7 @@ class SampleLikeAPlainStep(MethodPatch):
     in the step."""
 
     target = "vllm.sampling_params:SamplingParams._validate_spec_decode"
+    signature = "(self, speculative_config)"
 
     @staticmethod
     def wrap(original):

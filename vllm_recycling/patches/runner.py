@@ -26,6 +26,7 @@ class TreePositions(MethodPatch):
     """
 
     target = "vllm.v1.worker.gpu_model_runner:GPUModelRunner._prepare_inputs"
+    signature = "(self, scheduler_output, num_scheduled_tokens)"
 
     @staticmethod
     def wrap(original):
@@ -66,6 +67,7 @@ class CheckDrafter(MethodPatch):
     holds our drafter."""
 
     target = "vllm.v1.worker.gpu_worker:Worker.load_model"
+    signature = "(self, *, load_dummy_weights=False)"
 
     @staticmethod
     def wrap(original):
@@ -103,6 +105,7 @@ class DraftsNearMaxModelLen(MethodPatch):
     """
 
     target = "vllm.v1.worker.gpu_model_runner:GPUModelRunner._input_fits_in_drafter"
+    signature = "(self, common_attn_metadata)"
 
     @staticmethod
     def wrap(original):
@@ -122,6 +125,7 @@ class SaveSnapshotAtShutdown(MethodPatch):
     snapshot first, when the drafter is ours and has one."""
 
     target = "vllm.v1.worker.gpu_worker:Worker.shutdown"
+    signature = "(self)"
 
     @staticmethod
     def wrap(original):
@@ -146,6 +150,7 @@ class ProfileStepCost(MethodPatch):
     (``RecyclingProposer.profile_step_cost``)."""
 
     target = "vllm.v1.worker.cpu_worker:CPUWorker.compile_or_warm_up_model"
+    signature = "(self)"
 
     @staticmethod
     def wrap(original):
@@ -184,6 +189,7 @@ class DraftsWithSampledTokens(MethodPatch):
     """
 
     target = "vllm.v1.worker.gpu_worker:Worker.sample_tokens"
+    signature = "(self, grammar_output)"
 
     @staticmethod
     def wrap(original):
@@ -212,6 +218,7 @@ class PlainStepLogitsProcessors(MethodPatch):
     still refused as vLLM refuses them with speculation (the original call)."""
 
     target = "vllm.v1.worker.gpu_model_runner:build_logitsprocs"
+    signature = "(vllm_config, device, is_pin_memory, is_pooling_model, custom_logitsprocs=())"
 
     @staticmethod
     def wrap(original):

@@ -46,6 +46,7 @@ class VerifyTree(MethodPatch):
     """
 
     target = "vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample"
+    signature = "(self, logits, spec_decode_metadata)"
 
     @staticmethod
     def wrap(original):

@@ -24,6 +24,13 @@ class TagCacheSalt(MethodPatch):
     """
 
     target = "vllm.v1.request:Request.__init__"
+    signature = (
+        "(self, request_id, prompt_token_ids, sampling_params, pooling_params, client_index=0, "
+        "arrival_time=None, prompt_embeds=None, prompt_is_token_ids=None, mm_features=None, "
+        "lora_request=None, cache_salt=None, priority=0, trace_headers=None, block_hasher=None, "
+        "resumable=False, session_id=None, reasoning_ended=None, reasoning_parser_kwargs=None, "
+        "abort_immediately=False, kv_hints=None)"
+    )
 
     @staticmethod
     def wrap(original):
@@ -57,6 +64,7 @@ class DraftsFromSampledOutput(MethodPatch):
     that this step's drafts arrived."""
 
     target = "vllm.v1.core.sched.scheduler:Scheduler.update_from_output"
+    signature = "(self, scheduler_output, model_runner_output)"
 
     @staticmethod
     def wrap(original):
@@ -81,6 +89,7 @@ class SkipDraftRpc(MethodPatch):
     structured-output path, 795-800, keeps its own RPC.)"""
 
     target = "vllm.v1.engine.core:EngineCore.post_step"
+    signature = "(self, model_executed)"
 
     @staticmethod
     def wrap(original):

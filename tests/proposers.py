@@ -1,0 +1,61 @@
+"""Building a ``RecyclingProposer`` without an engine, and handing it what the patches would."""
+
+from __future__ import annotations
+
+
+def make_proposer(scope: str, max_num_seqs: int = 2, vocab_size: int = 16, snapshot=None,
+                  tree=None, budget="fixed", matrix_init="empty", model="tiny", context_match=False):
+    """A proposer with a top-4 matrix over 16 tokens: a 3-token chain, or the given tree; every
+    node drafted every step unless budget="auto"; an empty matrix unless matrix_init="model";
+    no context branch unless context_match."""
+    from types import SimpleNamespace
+
+    from vllm_recycling.config import RecyclingConfig
+    from vllm_recycling.proposer import RecyclingProposer
+
+    config = RecyclingConfig(
+        topk=4, matrix_scope=scope, matrix_snapshot=snapshot, budget=budget, matrix_init=matrix_init,
+        context_match=context_match,
+        **({"verify": "chain", "num_speculative_tokens": 3} if tree is None else {"tree": tree}),
+    )
+    return RecyclingProposer(SimpleNamespace(
+        additional_config={"recycling": config.to_dict()},
+        model_config=SimpleNamespace(get_vocab_size=lambda: vocab_size, max_model_len=64,
+                                     model=model, revision=None),
+        device_config=SimpleNamespace(device="cpu"),
+        scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
+    ))
+
+
+def begin(proposer, req_ids, num_draft=None, computed=None, params=None, slots=None):
+    """What ``patches.runner.TreePositions`` hands the proposer before a step's forward: the
+    batch and the runner's host arrays (one token per request, then its drafts)."""
+    import numpy as np
+    import torch
+
+    rows = [1 + (0 if num_draft is None else n) for n in (num_draft or [0] * len(req_ids))]
+    qsl = np.concatenate([[0], np.cumsum(rows)])
+    computed = np.array(computed if computed is not None else [10] * len(req_ids))
+    slots = torch.arange(int(qsl[-1])) if slots is None else slots
+    return proposer.begin_step(req_ids, params or (lambda r: None), num_draft, qsl, computed, slots)
+
+
+def observe(proposer, req_ids, live_req_ids, tokens, logits, num_draft_tokens):
+    """What ``patches.sampler.VerifyTree`` hands the proposer before sampling (no tree step;
+    every request greedy)."""
+    from types import SimpleNamespace
+
+    greedy = SimpleNamespace(all_greedy=True, logitsprocs=SimpleNamespace(non_argmax_invariant=[]))
+    return proposer.verify(
+        req_ids, live_req_ids, tokens, logits, SimpleNamespace(num_draft_tokens=num_draft_tokens),
+        greedy, None, lambda: [],
+    )
+
+
+def verification_rows(next_tokens: list[int], vocab_size: int = 16):
+    """Logits rows whose argmax is the given token (then ids in ascending order)."""
+    import torch
+
+    logits = -torch.arange(vocab_size, dtype=torch.float32).repeat(len(next_tokens), 1)
+    logits[range(len(next_tokens)), next_tokens] = 100.0
+    return logits

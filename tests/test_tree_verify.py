@@ -467,8 +467,8 @@ def verify_tree_step(device: torch.device, kv_caches: list, temperature=None):
 def test_tree_step_never_waits_for_the_gpu():
     """The GPU path's work of a tree step after its plan (``verify_tree_step``: the matrix
     update, then ``TreeVerifier.verify`` greedy and sampled, penalties on) and its tree
-    attention, and the sampled walk's device work, with CUDA's sync debug mode set to raise on
-    any host synchronisation."""
+    attention, with CUDA's sync debug mode set to raise on any host synchronisation (needs
+    vLLM: where it is missing, ``test_tree_step_pieces_never_wait_for_the_gpu`` still runs)."""
     pytest.importorskip("vllm")
     from vllm_recycling.kernels.tree_attention import tree_attention
 
@@ -477,17 +477,61 @@ def test_tree_step_never_waits_for_the_gpu():
     query = torch.randn(11, 4, 64, device=device, dtype=torch.float16)
     table = torch.arange(12, device=device, dtype=torch.int32).view(3, 4)
     step, run = verify_tree_step(device, [kv])
-    tokens = torch.randint(0, 10, (11,), device=device)
-    sampled_tokens = torch.randint(0, 10, (11,), device=device)
-    starts = to_device(np.array([0, 7]), torch.int64, device)
-    step_rows = StepRows.build([5, 0, 3], step)  # host bookkeeping of the step
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         run()  # greedy, penalties on
+        tree_attention(query, kv, table, step.req_index, step.rows, step.num_rows, step.prefix_len,
+                       step.mask, torch.zeros_like(query), 0.125)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tree_step_pieces_never_wait_for_the_gpu():
+    """The GPU path's pieces of a tree step (matrix update, plan, greedy path choice and chain,
+    the sampled walk, KV moves, tree attention) with CUDA's sync debug mode set to raise on any
+    host synchronisation. Needs no vLLM, so it runs where GPUs are lent without it;
+    ``test_tree_step_never_waits_for_the_gpu`` checks ``TreeVerifier.verify`` itself."""
+    from vllm_recycling.kernels.tree_attention import tree_attention
+    from vllm_recycling.triton_path import move_slots
+
+    from vllm_recycling.matrix import AdjacencyMatrix
+
+    device = torch.device("cuda")
+    layout = TreeLayout.from_template(compile_tree(PATHS, topk=2), device)  # at start-up
+    matrix = AdjacencyMatrix(10, 2, scope="overlay", max_requests=3, device=device, overlay_rows=16,
+                             with_probs=True)
+    for r in "abc":
+        matrix.allocate(r)  # host bookkeeping, when a request joins the batch
+    # the step's inputs, as vLLM hands them over (already on the device)
+    tokens = torch.randint(0, 10, (11,), device=device)
+    logits = torch.randn(11, 10, device=device)
+    sampled_tokens = torch.randint(0, 10, (11,), device=device)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step = TreeStep.plan(layout, np.array([5, 0, 3]), np.array([0, 6, 7, 11]),
+                             np.array([20, 9, 30]), device)
+        # the matrix learns from every row (RecyclingProposer.verify)
+        rows = to_device(np.repeat(np.arange(3), [6, 1, 4]), torch.int64, device)
+        matrix.update(tokens[:, None], logits, matrix.slots(list("abc"))[rows])
+        starts = to_device(np.array([0, 7]), torch.int64, device)
+        path = choose_paths(step, logits, tokens, starts)
+        plan_ = ChainPlan.build(step, path, np.array([5, 0, 3]), np.array([0, 6, 7]), device)
+        plan_.draft_tokens(tokens)
         # a step with a sampled request: the walk by the sampled tokens, the accepted paths
-        accepted, _ = walk_sampled(StepRowsOnDevice.of(step_rows, device), tokens, sampled_tokens)
+        step_rows = StepRowsOnDevice.of(StepRows.build([5, 0, 3], step), device)
+        accepted, _ = walk_sampled(step_rows, tokens, sampled_tokens)
         compaction(step, tree_paths(step, accepted, starts), torch.arange(100, 111, device=device))
+        sampled = torch.full((3, max(plan_.num_draft_tokens) + 1), -1, dtype=torch.int32, device=device)
+        src, dst = plan_.compaction(step, sampled, torch.arange(100, 111, device=device))
+        kv = torch.randn(16, 2, 16, 128, device=device, dtype=torch.float16)
+        move_slots(kv, src, dst)
+        query = torch.randn(11, 4, 64, device=device, dtype=torch.float16)
+        table = torch.arange(12, device=device, dtype=torch.int32).view(3, 4)
         tree_attention(query, kv, table, step.req_index, step.rows, step.num_rows, step.prefix_len,
                        step.mask, torch.zeros_like(query), 0.125)
     finally:

@@ -78,7 +78,7 @@ class RecyclingConfig:
     salt_matrices: matrix_scope="salt": matrices kept for salts (1..4096), each [V, topk] on
         the device; a new salt evicts the least recently used one no live request holds.
     matrix_snapshot: a file for the shared matrix: loaded at start-up when it exists (else the
-        matrix starts from zeros; its folder must exist), saved there atomically every
+        matrix starts as matrix_init says; its folder must exist), saved there atomically every
         matrix_snapshot_interval seconds and when the engine shuts down. None: no file.
     matrix_snapshot_interval: seconds between saves (> 0); 0 saves at shutdown only.
     matrix_init: what every new matrix starts from. "model" (default): the model's own top-k

@@ -21,8 +21,8 @@ reads and writes:
   learn, requests with different salts never read each other's entries, and requests without
   a salt use the shared matrix. ``salt_matrices`` matrices exist (layout ``[V * (1 + S) +
   slots * R + 1, k]``); a new salt takes an unused one or evicts the least recently used salt
-  that no live request holds, and its matrix starts from zeros (a salted tenant never reads
-  what the shared matrix or a snapshot learned from others). While every salt matrix is held
+  that no live request holds, and its matrix starts from the model's prior, or zeros without
+  one (a salted tenant never reads what the shared matrix or a snapshot learned from others). While every salt matrix is held
   by live requests, a request of yet another salt drafts nothing (plain decoding, still
   exact), its rows are written to the scratch row, and it gets a matrix as soon as one is free.
 

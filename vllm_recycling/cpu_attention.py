@@ -17,7 +17,7 @@ accepted nodes move to their positions' slots with ``move_slots``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -94,6 +94,51 @@ def check_layout(isa: str, dtype: torch.dtype, head_dim: int, block_size: int) -
     )
     k_read, v_read = read_blocks(cache, table, n)
     return torch.equal(k_read[0].permute(2, 0, 1), k) and torch.equal(v_read[0].transpose(0, 1), v)
+
+
+def roots_only_metadata(step: TreeStep, meta, impl, isa: str, dtype: torch.dtype):
+    """vLLM's ``CPUAttentionMetadata`` (v1/attention/backends/cpu_attn.py:109-128) for the
+    causal kernel of a tree step, without the tree node rows' work: a tree request keeps its rows
+    up to its root (seq_len prefix + 1), and each of its node rows becomes a request of its own
+    that attends position 0 only (query 1, seq_len 1, the same block table row). Those rows'
+    results are discarded: tree attention overwrites every node row. So vLLM's kernel no longer
+    computes what tree attention recomputes (benchmarks/results/tree_attention_cpu.md: as much
+    again per node row). impl: the layer's ``CPUAttentionBackendImpl``; isa: ``layer.isa``; dtype:
+    the model's. The scheduler metadata is vLLM's own for the new layout
+    (``ops.cpu_attn_get_scheduler_metadata``, built as the metadata builder does, 254-268). None
+    where the layout is not the plain causal one this assumes (dynamic or no causal mask)."""
+    from vllm import _custom_ops as ops
+    from vllm import envs
+
+    if not meta.causal or meta.dynamic_causal is not None or meta.use_sdpa_prefill:
+        return None
+    qsl = meta.query_start_loc.numpy().astype(np.int64)
+    num_reqs = len(qsl) - 1
+    seq_lens = meta.seq_lens.numpy()[:num_reqs].astype(np.int64)
+    extra = np.zeros(num_reqs, dtype=np.int64)
+    extra[step.req_index_np] = step.num_rows_np - 1  # node rows after each tree request's root
+    q_lens = np.diff(qsl) - extra
+    seq_lens = seq_lens - extra
+    count = 1 + extra  # each request, then one request per node row
+    owner = np.repeat(np.arange(num_reqs), count)
+    first = np.cumsum(count) - count
+    new_q = np.ones(owner.size, dtype=np.int64)
+    new_seq = np.ones(owner.size, dtype=np.int64)
+    new_q[first], new_seq[first] = q_lens, seq_lens
+    new_qsl = np.concatenate([[0], np.cumsum(new_q)]).astype(np.int32)
+    query_start_loc = torch.from_numpy(new_qsl)
+    seq_lens_t = torch.from_numpy(new_seq.astype(np.int32))
+    scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=owner.size, num_heads=impl.num_heads, num_kv_heads=impl.num_kv_heads,
+        head_dim=impl.head_size, seq_lens=seq_lens_t, dtype=dtype, query_start_loc=query_start_loc, causal=True,
+        sliding_window_size=impl.sliding_window, isa=isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+        kv_cache_dtype=impl.kv_cache_dtype,
+    )
+    return replace(
+        meta, query_start_loc=query_start_loc, seq_lens=seq_lens_t,
+        block_table=meta.block_table[torch.from_numpy(owner)], scheduler_metadata=scheduler_metadata,
+        max_query_len=int(new_q.max()), max_seq_len=int(new_seq.max()),
+    )
 
 
 @dataclass

@@ -95,6 +95,8 @@ class TreeStep:
     num_tokens: rows in the step (host int).
     cpu_plan: what CPU tree attention prepares in the step's first layer and its other layers
         reuse (``cpu_attention.tree_attention_cpu``); None until then.
+    cpu_causal: (vLLM's attention metadata of the step, the metadata its causal kernel runs
+        with instead: ``cpu_attention.roots_only_metadata``), built in the first layer.
     """
 
     layout: TreeLayout
@@ -116,6 +118,7 @@ class TreeStep:
     parent_np: np.ndarray  # [R, W] local index of each node's parent (0 for the root and padding)
     prefix_np: np.ndarray  # [R] prefix_len on the host
     cpu_plan: object | None = None
+    cpu_causal: tuple | None = None
 
     @classmethod
     def plan(

@@ -167,3 +167,54 @@ def test_block_outside_the_cache_raises():
     with pytest.raises(IndexError, match="outside the cache"):
         tree_attention_cpu(s.step, s.query, out, s.cache, s.table, s.scale)
     assert torch.equal(out, s.before)
+
+
+def test_roots_only_metadata_spares_vllm_the_node_rows():
+    """vLLM's causal kernel with ``roots_only_metadata``: prefill chunks and tree roots exactly as
+    with the step's own metadata; after tree attention every row is what it was."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
+
+    from vllm_recycling.cpu_attention import SUPPORTED_ISAS, attention_isa, roots_only_metadata
+
+    block_size, dim, heads, kv_heads = 32, 64, 6, 2
+    isa = attention_isa(torch.float32, block_size, dim)
+    if isa not in SUPPORTED_ISAS:
+        pytest.skip(f"vLLM picks the {isa} layout here")
+    s = Step(*RAGGED, heads, kv_heads, dim, torch.float32, block_size=block_size, seed=21)
+    s.cache.nan_to_num_(0.0)  # vLLM's caches are zero-filled where nothing was written
+    qsl = torch.from_numpy(s.qsl.astype(np.int32))
+    seq_lens = torch.from_numpy((s.computed + np.diff(s.qsl)).astype(np.int32))
+    impl = SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads, head_size=dim, sliding_window=-1,
+                           kv_cache_dtype="auto")
+
+    def metadata(qsl, seq_lens, table):
+        sched = ops.cpu_attn_get_scheduler_metadata(len(seq_lens), heads, kv_heads, dim, seq_lens, torch.float32,
+                                                    qsl, True, -1, isa, False)
+        return CPUAttentionMetadata(
+            num_actual_tokens=int(qsl[-1]), max_query_len=int((qsl[1:] - qsl[:-1]).max()), query_start_loc=qsl,
+            max_seq_len=int(seq_lens.max()), seq_lens=seq_lens, block_table=table, slot_mapping=torch.empty(0),
+            scheduler_metadata=sched)
+
+    def causal(meta):
+        out = torch.zeros(s.before.shape[0], heads, dim)
+        nb = s.cache.shape[0]
+        key_cache, value_cache = s.cache.view(nb, kv_heads, 2 * block_size, dim).chunk(2, dim=2)
+        ops.cpu_attention_with_kv_cache(s.query.contiguous(), key_cache, value_cache, out, meta.query_start_loc,
+                                        meta.seq_lens, s.scale, True, None, -1, meta.block_table, 0.0,
+                                        meta.scheduler_metadata, None)
+        return out.view(out.shape[0], -1)
+
+    plain = metadata(qsl, seq_lens, s.table)
+    roots = roots_only_metadata(s.step, plain, impl, isa, torch.float32)
+    assert len(roots.seq_lens) == len(seq_lens) + sum(int(n) - 1 for n in s.step.num_rows)
+    want, got = causal(plain), causal(roots)
+    rows, keep = s.written()
+    torch.testing.assert_close(got[keep], want[keep], atol=1e-6, rtol=1e-6)
+    for out in (want, got):
+        s.step.cpu_plan = None
+        tree_attention_cpu(s.step, s.query, out, s.cache, s.table, s.scale)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)

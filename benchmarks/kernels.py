@@ -109,10 +109,9 @@ def case_inputs(batch, vocab, tree, k, dtype, device, seed=0):
     n1 = tree.num_nodes + 1
     table = torch.randint(0, vocab, (vocab, k), generator=g, device=device, dtype=torch.int32)
     roots = torch.randint(0, vocab, (batch,), generator=g, device=device)
-    prefix = torch.randint(0, 4096, (batch,), generator=g, device=device)
     tokens = torch.randint(0, vocab, (batch, n1), generator=g, device=device)
     logits = torch.randn((batch * n1, vocab), generator=g, device=device, dtype=torch.float32).to(dtype)
-    return table, roots, prefix, tokens.reshape(-1), logits
+    return table, roots, tokens.reshape(-1), logits
 
 
 def update_bytes(rows, vocab, k, elem) -> int:
@@ -183,15 +182,13 @@ def run_gpu(args, device: torch.device | None = None) -> int:
 
     def measure(batch, vocab, case):
         rows = batch * n1
-        table, roots, prefix, flat_rows, logits = case_inputs(batch, vocab, tree, args.topk, dtype, device)
+        table, roots, flat_rows, logits = case_inputs(batch, vocab, tree, args.topk, dtype, device)
         # draft
         draft_k = lambda: draft_tree_triton(table, roots, tree.rank_path, tree.depth)  # noqa: E731
-        draft_kp = lambda: draft_tree_triton(table, roots, tree.rank_path, tree.depth, prefix_len=prefix)  # noqa: E731
         draft_r = lambda: draft_tree_reference(table, roots, tree.parent, tree.rank, tree.level_starts)  # noqa: E731
         if not args.no_check:
             case["draft_exact"] = bool(torch.equal(draft_k(), draft_r()))
         case["draft_kernel_us"] = bench_graph(draft_k)
-        case["draft_kernel_pos_us"] = bench_graph(draft_kp)
         case["draft_kernel_launch_us"] = bench(draft_k)
         if not args.no_reference:
             case["draft_reference_us"] = bench(draft_r)
@@ -286,7 +283,7 @@ NOTES = (
 
 COLUMNS = [
     ("B", "batch"), ("V", "vocab"),
-    ("draft kern", "draft_kernel_us"), ("+pos", "draft_kernel_pos_us"), ("launch", "draft_kernel_launch_us"),
+    ("draft kern", "draft_kernel_us"), ("launch", "draft_kernel_launch_us"),
     ("ref", "draft_reference_us"),
     ("upd kern", "update_kernel_us"), ("cold L2", "update_kernel_cold_us"), ("launch", "update_kernel_launch_us"),
     ("ref", "update_reference_us"),
@@ -361,7 +358,7 @@ def run_cpu(args) -> int:
     cases = []
     for batch in [b for b in (1, 8) if b in args.batch] or [1]:
         vocab = 32000
-        table, roots, _, flat_rows, logits = case_inputs(batch, vocab, tree, args.topk, dtype, torch.device("cpu"))
+        table, roots, flat_rows, logits = case_inputs(batch, vocab, tree, args.topk, dtype, torch.device("cpu"))
         table_r = table.clone()
 
         def update_plain():

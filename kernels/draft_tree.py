@@ -11,10 +11,9 @@ The Triton kernel builds the trees of the whole batch in one launch. It needs no
 levels: each node walks from the root along its own rank path (``TreeTemplate.rank_path``),
 ``tok = root; for d < depth[node]: tok = table[base + tok, rank_path[node, d]]``, so a node of
 depth d does d dependent gathers (at most MAX_DEPTH = 16), all of them hitting rows its
-ancestors read too (L1/L2 hits after the first). The same launch can also write the tree's
-position ids, ``positions[b, node] = prefix_len[b] + depth[node]``, and, given the successors'
-probabilities ``probs`` [R, k] float16, each node's ``conf[b, node] = probs[row, rank]`` at its
-last gather (float32, 1 at the root).
+ancestors read too (L1/L2 hits after the first). Given the successors' probabilities ``probs``
+[R, k] float16, the same launch also writes each node's ``conf[b, node] = probs[row, rank]`` at
+its last gather (float32, 1 at the root).
 
 Token ids in the table must lie in ``0..V-1`` of their matrix: the reference raises on an
 out-of-range row, the kernel does not check (a corrupt table reads out of bounds).
@@ -90,13 +89,13 @@ def _overlay_rows(overlay: "Overlay", tok: torch.Tensor, rows: torch.Tensor) -> 
 
 
 def _draft_tree_kernel(
-    table_ptr, roots_ptr, base_ptr, prefix_ptr, rank_path_ptr, depth_ptr, out_ptr, pos_ptr,
+    table_ptr, roots_ptr, base_ptr, rank_path_ptr, depth_ptr, out_ptr,
     keys_ptr, key_base_ptr, probs_ptr, conf_ptr,
     num_nodes, overlay_offset,
-    stride_table, stride_roots, stride_base, stride_prefix, stride_rank_path,
-    stride_out_b, stride_out_n, stride_pos_b, stride_pos_n, stride_key_base,
+    stride_table, stride_roots, stride_base, stride_rank_path,
+    stride_out_b, stride_out_n, stride_key_base,
     stride_probs, stride_conf_b, stride_conf_n,
-    DEPTH: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BASE: tl.constexpr, HAS_POS: tl.constexpr,
+    DEPTH: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BASE: tl.constexpr,
     HAS_OVERLAY: tl.constexpr, OVERLAY_SIZE: tl.constexpr, HAS_PROBS: tl.constexpr,
 ):
     """Grid (B, cdiv(N+1, BLOCK_N)): program (b, j) computes nodes j*BLOCK_N ... of request b."""
@@ -130,19 +129,6 @@ def _draft_tree_kernel(
     tl.store(out_ptr + b * stride_out_b + nodes * stride_out_n, tok.to(tl.int32), mask=live)
     if HAS_PROBS:
         tl.store(conf_ptr + b * stride_conf_b + nodes * stride_conf_n, conf, mask=live)
-    if HAS_POS:
-        prefix = tl.load(prefix_ptr + b * stride_prefix).to(tl.int64)
-        tl.store(pos_ptr + b * stride_pos_b + nodes * stride_pos_n, prefix + depth.to(tl.int64), mask=live)
-
-
-def _check_out(out, shape, dtype, device, name):
-    if out is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device:
-        raise ValueError(
-            f"{name}: expected {dtype} {tuple(shape)} on {device}, got {out.dtype} {tuple(out.shape)} on {out.device}"
-        )
-    return out
 
 
 def draft_tree_triton(
@@ -151,27 +137,19 @@ def draft_tree_triton(
     rank_path: torch.Tensor,
     depth: torch.Tensor,
     row_base: torch.Tensor | None = None,
-    prefix_len: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-    positions_out: torch.Tensor | None = None,
     block_n: int | None = None,
     num_warps: int = 4,
     overlay: Overlay | None = None,
     probs: torch.Tensor | None = None,
-    conf_out: torch.Tensor | None = None,
 ):
     """Triton launcher: the whole batch in one launch, no host-device sync.
 
     table [R, k] int32; roots [B] int; rank_path [N+1, D] int (-1 padded) and depth [N+1] int,
-    on the table's device; row_base [B] int or None; prefix_len [B] int or None; overlay or None
-    (its keys int32 and key_base [B] int on the table's device); probs [R, k] float16 (the
-    table's shape, unit column stride) or None.
-    Returns tokens [B, N+1] int32 (written into ``out`` when given), then positions [B, N+1]
-    int64 when prefix_len is given (into ``positions_out`` when given), then conf [B, N+1]
-    float32 when probs is given (into ``conf_out`` when given; see ``draft_tree_reference``):
-    a tuple when more than tokens.
-    prefix_len, out and positions_out are not used by the plugin yet: they are for a GPU path
-    with persistent buffers.
+    on the table's device; row_base [B] int or None; overlay or None (its keys int32 and
+    key_base [B] int on the table's device); probs [R, k] float16 (the table's shape, unit
+    column stride) or None.
+    Returns tokens [B, N+1] int32; with probs, ``(tokens, conf)``: conf [B, N+1] float32 (see
+    ``draft_tree_reference``).
     """
     if table.dim() != 2 or table.dtype != torch.int32 or table.stride(1) != 1:
         raise ValueError(f"table: expected [R, k] int32 with unit column stride, got {table.dtype} {tuple(table.shape)}")
@@ -183,10 +161,7 @@ def draft_tree_triton(
     depth = depth.to(device)
     if rank_path.stride(1) != 1:
         rank_path = rank_path.contiguous()
-    tokens = _check_out(out, (batch, n1), torch.int32, device, "out")
-    positions = None
-    if prefix_len is not None:
-        positions = _check_out(positions_out, (batch, n1), torch.int64, device, "positions_out")
+    tokens = torch.empty((batch, n1), dtype=torch.int32, device=device)
     conf = None
     if probs is not None:
         if (tuple(probs.shape) != tuple(table.shape) or probs.dtype != torch.float16
@@ -195,13 +170,12 @@ def draft_tree_triton(
                 f"probs: expected float16 {tuple(table.shape)} with unit column stride on {device}, "
                 f"got {probs.dtype} {tuple(probs.shape)} strides {probs.stride()} on {probs.device}"
             )
-        conf = _check_out(conf_out, (batch, n1), torch.float32, device, "conf_out")
+        conf = torch.empty((batch, n1), dtype=torch.float32, device=device)
     key_base = None if overlay is None else overlay.key_base
     if overlay is not None and (overlay.keys.dtype != torch.int32 or overlay.keys.device != device
                                 or overlay.size < 1 or overlay.size & (overlay.size - 1)):
         raise ValueError("overlay: expected int32 keys on the table's device and a power-of-two size")
-    for name, t in (("roots", roots), ("row_base", row_base), ("prefix_len", prefix_len),
-                    ("overlay.key_base", key_base)):
+    for name, t in (("roots", roots), ("row_base", row_base), ("overlay.key_base", key_base)):
         if t is not None and (t.shape != (batch,) or t.device != device):
             raise ValueError(f"{name}: expected [{batch}] on {device}, got {tuple(t.shape)} on {t.device}")
     if batch > 0:
@@ -212,9 +186,7 @@ def draft_tree_triton(
         kernel[grid](
             table, roots,
             row_base if row_base is not None else roots,
-            prefix_len if prefix_len is not None else roots,
             rank_path, depth, tokens,
-            positions if positions is not None else tokens,
             overlay.keys if overlay is not None else tokens,
             key_base if key_base is not None else roots,
             probs if probs is not None else table,
@@ -222,23 +194,19 @@ def draft_tree_triton(
             n1, overlay.offset if overlay is not None else 0,
             table.stride(0), roots.stride(0),
             row_base.stride(0) if row_base is not None else 0,
-            prefix_len.stride(0) if prefix_len is not None else 0,
             rank_path.stride(0),
             tokens.stride(0), tokens.stride(1),
-            positions.stride(0) if positions is not None else 0,
-            positions.stride(1) if positions is not None else 0,
             key_base.stride(0) if key_base is not None else 0,
             probs.stride(0) if probs is not None else 0,
             conf.stride(0) if conf is not None else 0,
             conf.stride(1) if conf is not None else 0,
             DEPTH=rank_path.shape[1], BLOCK_N=block_n,
-            HAS_BASE=row_base is not None, HAS_POS=positions is not None,
+            HAS_BASE=row_base is not None,
             HAS_OVERLAY=overlay is not None, OVERLAY_SIZE=overlay.size if overlay is not None else 1,
             HAS_PROBS=probs is not None,
             num_warps=num_warps,
         )
-    outputs = [t for t in (tokens, positions, conf) if t is not None]
-    return outputs[0] if len(outputs) == 1 else tuple(outputs)
+    return tokens if conf is None else (tokens, conf)
 
 
 def draft_tree(
@@ -247,48 +215,25 @@ def draft_tree(
     tree,
     row_base: torch.Tensor | None = None,
     *,
-    prefix_len: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-    positions_out: torch.Tensor | None = None,
     overlay: Overlay | None = None,
     probs: torch.Tensor | None = None,
-    conf_out: torch.Tensor | None = None,
 ):
     """Build the batch's draft trees: Triton when usable (``kernels.triton_usable``), else the
     C loop for CPU tensors (``native.draft``), else the reference.
 
     tree: a ``TreeTemplate`` (its parent, rank, level_starts, rank_path and depth), ideally on the
-    table's device; probs [R, k] float16: the successors' probabilities, to also return each
-    node's (conf [B, N+1] float32, into ``conf_out`` when given; see ``draft_tree_reference``).
-    Returns tokens, then positions when prefix_len is given, then conf when probs is given
-    (a tuple when more than tokens).
+    table's device; row_base, overlay and probs as in ``draft_tree_reference`` (probs: to also
+    return each node's confidence).
+    Returns tokens [B, N+1] int32; with probs, ``(tokens, conf)``: conf [B, N+1] float32 (see
+    ``draft_tree_reference``).
     """
-    tensors = [t for t in (table, roots, row_base, prefix_len, out, positions_out, probs, conf_out)
-               if t is not None]
+    tensors = [t for t in (table, roots, row_base, probs) if t is not None]
     if overlay is not None:
         tensors += [overlay.keys, overlay.key_base]
     if triton_usable(*tensors):
-        return draft_tree_triton(
-            table, roots, tree.rank_path, tree.depth, row_base, prefix_len, out, positions_out,
-            overlay=overlay, probs=probs, conf_out=conf_out,
-        )
+        return draft_tree_triton(table, roots, tree.rank_path, tree.depth, row_base, overlay=overlay, probs=probs)
     if native.draft_takes(table, *tensors):
-        result = native.draft(table, roots, tree.parent, tree.rank, row_base, overlay, probs)
-    else:
-        result = draft_tree_reference(
-            table, roots, tree.parent, tree.rank, tree.level_starts, row_base, overlay, probs
-        )
-    tokens, conf = result if probs is not None else (result, None)
-    if out is not None:
-        tokens = _check_out(out, tokens.shape, torch.int32, table.device, "out").copy_(tokens)
-    if conf is not None and conf_out is not None:
-        conf = _check_out(conf_out, conf.shape, torch.float32, table.device, "conf_out").copy_(conf)
-    outputs = [tokens]
-    if prefix_len is not None:
-        positions = prefix_len.long()[:, None] + tree.depth.to(table.device)[None]
-        if positions_out is not None:
-            positions = _check_out(positions_out, positions.shape, torch.int64, table.device, "positions_out").copy_(positions)
-        outputs.append(positions)
-    if conf is not None:
-        outputs.append(conf)
-    return outputs[0] if len(outputs) == 1 else tuple(outputs)
+        return native.draft(table, roots, tree.parent, tree.rank, row_base, overlay, probs)
+    return draft_tree_reference(
+        table, roots, tree.parent, tree.rank, tree.level_starts, row_base, overlay, probs
+    )

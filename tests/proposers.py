@@ -1,6 +1,17 @@
-"""Building a ``RecyclingProposer`` without an engine, and handing it what the patches would."""
+"""Building a ``RecyclingProposer`` without an engine, and handing it what the patches would;
+reading an ``AdjacencyMatrix``'s rows."""
 
 from __future__ import annotations
+
+
+def matrix_rows(matrix, request_id: str | None = None):
+    """The [V, k] matrix a request reads under per_request and salt scope (its own, its
+    salt's), else the shared one: a view of ``matrix.table``, writable."""
+    if matrix.scope == "per_request":
+        index = int(matrix.slots([request_id])[0])
+    else:
+        index = max(matrix.matrix_of(request_id), 0) if request_id is not None else 0
+    return matrix.table[index * matrix.vocab_size : (index + 1) * matrix.vocab_size]
 
 
 def make_proposer(scope: str, max_num_seqs: int = 2, vocab_size: int = 16, snapshot=None,

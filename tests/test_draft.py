@@ -1,4 +1,5 @@
 import torch
+from proposers import matrix_rows
 
 from vllm_recycling.kernels.draft_tree import draft_tree as draft_tokens
 from vllm_recycling.matrix import AdjacencyMatrix
@@ -34,8 +35,8 @@ def test_draft_per_request_rows():
     tree = compile_tree([[0], [0, 0]], topk=1)
     m = AdjacencyMatrix(4, 1, scope="per_request", max_requests=2)
     m.allocate("a"), m.allocate("b")
-    m.view("a")[:, 0] = torch.tensor([1, 2, 3, 0], dtype=torch.int32)
-    m.view("b")[:, 0] = torch.tensor([3, 0, 1, 2], dtype=torch.int32)
+    matrix_rows(m, "a")[:, 0] = torch.tensor([1, 2, 3, 0], dtype=torch.int32)
+    matrix_rows(m, "b")[:, 0] = torch.tensor([3, 0, 1, 2], dtype=torch.int32)
     tokens = m.draft(torch.tensor([0, 0]), tree, m.slots(["a", "b"]))
     assert tokens.tolist() == [[0, 1, 2], [0, 3, 2]]
 

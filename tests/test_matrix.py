@@ -1,5 +1,6 @@
 import pytest
 import torch
+from proposers import matrix_rows
 
 from vllm_recycling.matrix import (
     AdjacencyMatrix,
@@ -54,8 +55,8 @@ def test_update_k1_and_per_request_rows():
     slots = m.slots(["b", "a"])
     assert slots.tolist() == [1, 0] and m.lookup(slots)[0].tolist() == [3, 0]
     m.update(torch.tensor([[2], [2]]), torch.eye(3)[[0, 1]], slots)
-    assert m.view("b")[:, 0].tolist() == [0, 0, 0]
-    assert m.view("a")[:, 0].tolist() == [0, 0, 1]
+    assert matrix_rows(m, "b")[:, 0].tolist() == [0, 0, 0]
+    assert matrix_rows(m, "a")[:, 0].tolist() == [0, 0, 1]
     assert m.table[:, 0].tolist() == [0, 0, 1, 0, 0, 0]
 
 
@@ -69,13 +70,13 @@ def test_per_request_pool_reset_and_exhaustion():
     init = torch.tensor([[1], [2], [0]], dtype=torch.int32)
     m = AdjacencyMatrix(3, 1, scope="per_request", max_requests=1, prior=(init, torch.zeros(3, 1)))
     m.allocate("a")
-    m.view("a")[:] = 2
+    matrix_rows(m, "a")[:] = 2
     with pytest.raises(MatrixPoolExhausted, match="all 1 per-request matrices are in use"):
         m.allocate("b")
     m.free("a")
     m.free("a")  # idempotent
     m.allocate("b")
-    assert m.view("b")[:, 0].tolist() == [1, 2, 0]  # reset to the prior
+    assert matrix_rows(m, "b")[:, 0].tolist() == [1, 2, 0]  # reset to the prior
 
 
 def test_shared_scope_never_resets():
@@ -312,8 +313,8 @@ def test_salts_never_read_each_others_rows_and_same_salt_shares():
     chain = compile_tree([[0]], topk=1)
     drafted = m.draft(torch.tensor([5] * 4), chain, m.slots(["a2", "b2", "y", "z"]))
     assert drafted[:, 1].tolist() == [7, 9, 11, 0]
-    assert m.view("a2")[5].tolist() == [7, 0] and m.view("b2")[5].tolist() == [9, 0]
-    assert m.table[5].tolist() == [11, 0] and m.view("z").eq(0).all()
+    assert matrix_rows(m, "a2")[5].tolist() == [7, 0] and matrix_rows(m, "b2")[5].tolist() == [9, 0]
+    assert m.table[5].tolist() == [11, 0] and matrix_rows(m, "z").eq(0).all()
 
 
 def test_salt_eviction_least_recently_used_idle_starts_cold():
@@ -325,11 +326,11 @@ def test_salt_eviction_least_recently_used_idle_starts_cold():
     m.free("b1")
     m.allocate("b2", "B")  # B used last: A is the least recently used
     m.allocate("c1", "C")  # evicts A (idle), its matrix zeroed
-    assert m.matrix_of("c1") == 1 and m.view("c1").eq(0).all()
-    assert m.view("b2")[5].tolist() == [9, 0]
+    assert m.matrix_of("c1") == 1 and matrix_rows(m, "c1").eq(0).all()
+    assert matrix_rows(m, "b2")[5].tolist() == [9, 0]
     m.free("c1")
     m.allocate("a3", "A")  # A comes back cold, in C's matrix (B is held by b2)
-    assert m.matrix_of("a3") == 1 and m.view("a3").eq(0).all()
+    assert m.matrix_of("a3") == 1 and matrix_rows(m, "a3").eq(0).all()
 
 
 def test_salt_without_a_free_matrix_drafts_nothing_writes_nothing_then_gets_one():
@@ -349,7 +350,7 @@ def test_salt_without_a_free_matrix_drafts_nothing_writes_nothing_then_gets_one(
     assert m.table[-1].tolist() == [7, 0]  # the scratch row
     m.free("a1")
     m.allocate("d1")  # a step later: retried
-    assert m.matrix_of("d1") == 1 and m.view("d1").eq(0).all()
+    assert m.matrix_of("d1") == 1 and matrix_rows(m, "d1").eq(0).all()
     m.free("d1")
     m.free("b1")
     assert m._salt_users == [0, 0, 0]
@@ -395,10 +396,10 @@ def test_every_new_matrix_starts_from_the_prior():
     assert torch.equal(shared.table, table) and torch.equal(shared.probs, -probs)  # marked: the prior's
     pool = AdjacencyMatrix(16, 2, scope="per_request", max_requests=2, prior=(table, probs), with_probs=True)
     pool.allocate("a")
-    pool.view("a")[:] = 3
+    matrix_rows(pool, "a")[:] = 3
     pool.free("a")
     pool.allocate("b")
-    assert torch.equal(pool.view("b"), table) and torch.equal(pool.probs[:16], -probs)
+    assert torch.equal(matrix_rows(pool, "b"), table) and torch.equal(pool.probs[:16], -probs)
     snapshot = torch.zeros((16, 2), dtype=torch.int32)
     overlay = AdjacencyMatrix(16, 2, scope="overlay", max_requests=1, prior=(table, probs),
                               initial=snapshot, overlay_rows=16, with_probs=True)
@@ -413,11 +414,11 @@ def test_a_new_salt_starts_from_the_prior_not_from_other_tenants():
     m.allocate("a1", "A")
     m.allocate("x", None)
     m.update(torch.tensor([[5], [5]]), _rows(16, [9, 11]), m.slots(["a1", "x"]))
-    assert m.view("a1")[5].tolist() == [9, 0] and m.table[5].tolist() == [11, 0]
+    assert matrix_rows(m, "a1")[5].tolist() == [9, 0] and m.table[5].tolist() == [11, 0]
     m.allocate("b1", "B")
-    assert torch.equal(m.view("b1"), table)
+    assert torch.equal(matrix_rows(m, "b1"), table)
     assert torch.equal(m.probs[2 * 16 : 3 * 16], -probs)
     m.free("a1")
     m.allocate("c1", "C")  # evicts A (idle): back to the prior
-    assert m.matrix_of("c1") == 1 and torch.equal(m.view("c1"), table)
+    assert m.matrix_of("c1") == 1 and torch.equal(matrix_rows(m, "c1"), table)
     assert torch.equal(m.probs[16:32], -probs)

@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from proposers import begin, make_proposer, observe, verification_rows  # noqa: E402
+from proposers import begin, make_proposer, matrix_rows, observe, verification_rows  # noqa: E402
 
 
 def test_proposer_updates_from_every_row_then_drafts_the_chain():
@@ -21,7 +21,7 @@ def test_proposer_updates_from_every_row_then_drafts_the_chain():
         tokens=torch.tensor([5, 3, 4, 6], dtype=torch.int32),
         logits=verification_rows([7, 4, 5, 1]), num_draft_tokens=[0, 2],
     )
-    adj = proposer.matrix.view()
+    adj = matrix_rows(proposer.matrix)
     assert adj[5].tolist() == [7, 0, 1, 2] and adj[3, 0] == 4 and adj[4, 0] == 5 and adj[6, 0] == 1
     drafts = proposer.propose(
         [[7], [4, 5], [], [2]], np.array([10, 20, 30, 64], dtype=np.int32), np.zeros((4, 64), np.int32)
@@ -207,7 +207,7 @@ def test_proposer_starts_from_the_snapshot(tmp_path):
     saved.table[:, 0] = (torch.arange(16, dtype=torch.int32) + 1) % 16  # t -> t + 1
     saved.save(tmp_path / "adj.safetensors")
     proposer = make_proposer("shared", snapshot=str(tmp_path / "adj.safetensors"))
-    assert torch.equal(proposer.matrix.view(), saved.table)
+    assert torch.equal(matrix_rows(proposer.matrix), saved.table)
     assert proposer.propose([[3]], np.array([5]), None) == [[4, 5, 6]]
 
 
@@ -243,7 +243,7 @@ def test_proposer_starts_from_the_cached_prior(tmp_path, monkeypatch):
     save_prior(prior_path("tiny", None, 16, 4), table, probs, "tiny", 1.0)
     proposer = make_proposer("per_request", matrix_init="model", budget="auto", tree=[[0], [1]])
     proposer.matrix.allocate("a")
-    assert torch.equal(proposer.matrix.view("a"), table)
+    assert torch.equal(matrix_rows(proposer.matrix, "a"), table)
     assert torch.equal(proposer.matrix.probs[:16], -probs)  # prior rows: calibrated apart
     other = make_proposer("per_request", matrix_init="model", model="another")  # no prior cached
     assert other.matrix.table.eq(0).all()

@@ -259,14 +259,6 @@ class AdjacencyMatrix:
         slots = np.array([self._slot_of[r] for r in request_ids], dtype=np.int64)
         return to_device(slots, torch.int64, self.device)
 
-    def view(self, request_id: str | None = None) -> torch.Tensor:
-        """The [V, k] matrix of a request under per_request and salt scope, else the shared one."""
-        if self.scope == "per_request":
-            index = self._slot_of[request_id]
-        else:
-            index = max(self.matrix_of(request_id), 0) if request_id is not None else 0
-        return self.table[index * self.vocab_size : (index + 1) * self.vocab_size]
-
     def lookup(self, slots: torch.Tensor | None):
         """What the draft kernels take for requests in ``slots`` [B] (None: shared):
         ``(row_base, overlay)``, each None when not used by the scope. row_base [B] int64;
@@ -286,14 +278,13 @@ class AdjacencyMatrix:
 
     def draft(
         self, roots: torch.Tensor, tree, slots: torch.Tensor | None = None, with_probs: bool = False,
-        **kwargs,
     ):
         """The draft trees of requests with roots [B] and ``slots`` [B]: tokens [B, N+1] int32,
         node i is ``table[row(parent), rank[i]]`` (``kernels.draft_tree``, one launch); with
-        with_probs also each node's confidence [B, N+1] float32, last in the returned tuple."""
+        with_probs ``(tokens, conf)``, conf each node's confidence [B, N+1] float32."""
         row_base, overlay = self.lookup(slots)
         probs = self.probs if with_probs else None
-        return draft_tree(self.table, roots, tree, row_base, overlay=overlay, probs=probs, **kwargs)
+        return draft_tree(self.table, roots, tree, row_base, overlay=overlay, probs=probs)
 
     # -- update ----------------------------------------------------------------------------------
     def update(

@@ -23,14 +23,12 @@ def _case(vocab, k, batch, slots, device, seed):
     table = torch.randint(0, vocab, (slots * vocab, k), generator=g, dtype=torch.int32)
     roots = torch.randint(0, vocab, (batch,), generator=g)
     base = torch.randint(0, slots, (batch,), generator=g) * vocab if slots > 1 else None
-    prefix = torch.randint(0, 1000, (batch,), generator=g)
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
-    return to(table), to(roots), to(base), to(prefix)
+    return to(table), to(roots), to(base)
 
 
-def _reference(table, roots, tree, base, prefix):
-    tokens = dt.draft_tree_reference(table, roots, tree.parent, tree.rank, tree.level_starts, base)
-    return tokens, prefix[:, None] + tree.depth[None]
+def _reference(table, roots, tree, base):
+    return dt.draft_tree_reference(table, roots, tree.parent, tree.rank, tree.level_starts, base)
 
 
 @pytest.mark.parametrize("spec", ["2.2.2", ONE_NODE, "tree16"])
@@ -38,14 +36,10 @@ def _reference(table, roots, tree, base, prefix):
 @pytest.mark.parametrize("batch", [0, 1, 5])
 def test_random_matches_reference(device, spec, slots, batch):
     tree = _tree(spec, 8, device)
-    table, roots, base, prefix = _case(50, 8, batch, slots, device, seed=batch * 10 + slots)
-    tokens, positions = dt.draft_tree_triton(table, roots, tree.rank_path, tree.depth, base, prefix)
-    want_tokens, want_positions = _reference(table, roots, tree, base, prefix)
+    table, roots, base = _case(50, 8, batch, slots, device, seed=batch * 10 + slots)
+    tokens = dt.draft_tree_triton(table, roots, tree.rank_path, tree.depth, base)
     assert tokens.dtype == torch.int32 and tokens.shape == (batch, tree.num_nodes + 1)
-    assert positions.dtype == torch.int64
-    assert torch.equal(tokens, want_tokens) and torch.equal(positions, want_positions)
-    # tokens only (no prefix_len): a tensor, not a tuple
-    assert torch.equal(dt.draft_tree_triton(table, roots, tree.rank_path, tree.depth, base), want_tokens)
+    assert torch.equal(tokens, _reference(table, roots, tree, base))
 
 
 def _overlay_case(vocab, k, batch, slots, size, device, seed):
@@ -141,50 +135,37 @@ def test_per_request_scope_reads_each_slot(device):
     assert tokens.tolist() == [[0, 1, 3, 2], [0, 3, 3, 2], [3, 2, 3, 1]]
 
 
-def test_node_blocks_int32_roots_and_buffers(device):
-    # Several node blocks per request, int32 roots, and persistent (strided) output buffers.
+def test_node_blocks_and_int32_roots(device):
+    # Several node blocks per request, int32 roots.
     tree = _tree("2.2.2", 8, device)
-    table, roots, base, prefix = _case(40, 8, 3, 2, device, seed=7)
-    out_full = torch.full((5, 100), -7, dtype=torch.int32, device=device)
-    pos_full = torch.full((5, 100), -7, dtype=torch.int64, device=device)
-    out, pos = out_full[1:4, : tree.num_nodes + 1], pos_full[1:4, : tree.num_nodes + 1]
-    got = dt.draft_tree_triton(
-        table, roots.int(), tree.rank_path, tree.depth, base, prefix.int(), out=out, positions_out=pos, block_n=32
-    )
-    assert got[0].data_ptr() == out.data_ptr() and got[1].data_ptr() == pos.data_ptr()
-    want_tokens, want_positions = _reference(table, roots, tree, base, prefix)
-    assert torch.equal(out, want_tokens) and torch.equal(pos, want_positions)
-    assert out_full[0].eq(-7).all() and out_full[:, tree.num_nodes + 1 :].eq(-7).all()
-    assert pos_full[4].eq(-7).all()
+    table, roots, base = _case(40, 8, 3, 2, device, seed=7)
+    got = dt.draft_tree_triton(table, roots.int(), tree.rank_path, tree.depth, base, block_n=32)
+    assert torch.equal(got, _reference(table, roots, tree, base))
 
 
-def test_bad_buffers_raise(device):
+def test_bad_table_raises(device):
     tree = _tree(ONE_NODE, 1, device)
     table = torch.zeros((4, 1), dtype=torch.int32, device=device)
     roots = torch.zeros(2, dtype=torch.int64, device=device)
-    with pytest.raises(ValueError, match="out"):
-        dt.draft_tree_triton(table, roots, tree.rank_path, tree.depth, out=torch.empty((2, 3), dtype=torch.int32))
     with pytest.raises(ValueError, match="table"):
         dt.draft_tree_triton(table.long(), roots, tree.rank_path, tree.depth)
 
 
 def test_dispatcher_picks_triton_under_interpreter(interpreter, monkeypatch):
     tree = _tree("2.2.2", 8, "cpu")
-    table, roots, base, prefix = _case(30, 8, 4, 2, "cpu", seed=3)
+    table, roots, base = _case(30, 8, 4, 2, "cpu", seed=3)
     calls = []
     launcher = dt.draft_tree_triton
     monkeypatch.setattr(dt, "draft_tree_triton", lambda *a, **kw: calls.append(1) or launcher(*a, **kw))
     assert triton_usable(table, roots)
-    tokens, positions = draft_tokens(table, roots, tree, base, prefix_len=prefix)
+    tokens = draft_tokens(table, roots, tree, base)
     assert calls == [1]
-    want_tokens, want_positions = _reference(table, roots, tree, base, prefix)
-    assert torch.equal(tokens, want_tokens) and torch.equal(positions, want_positions)
+    want_tokens = _reference(table, roots, tree, base)
+    assert torch.equal(tokens, want_tokens)
     # without TRITON_INTERPRET, CPU tensors take the reference
     monkeypatch.delenv("TRITON_INTERPRET")
     assert not triton_usable(table, roots)
-    out = torch.empty_like(want_tokens)
-    assert torch.equal(draft_tokens(table, roots, tree, base, out=out), want_tokens) and calls == [1]
-    assert torch.equal(out, want_tokens)
+    assert torch.equal(draft_tokens(table, roots, tree, base), want_tokens) and calls == [1]
 
 
 def _probs_like(table, seed):
@@ -200,7 +181,7 @@ def _probs_like(table, seed):
 def test_conf_matches_reference(device, spec, slots, batch):
     """conf is a gather of fp16 values read as fp32: equal to the reference exactly."""
     tree = _tree(spec, 8, device)
-    table, roots, base, prefix = _case(50, 8, batch, slots, device, seed=batch * 10 + slots)
+    table, roots, base = _case(50, 8, batch, slots, device, seed=batch * 10 + slots)
     probs = _probs_like(table, seed=batch)
     want_tokens, want_conf = dt.draft_tree_reference(
         table, roots, tree.parent, tree.rank, tree.level_starts, base, probs=probs
@@ -209,9 +190,6 @@ def test_conf_matches_reference(device, spec, slots, batch):
     assert conf.dtype == torch.float32 and conf.shape == (batch, tree.num_nodes + 1)
     assert torch.equal(tokens, want_tokens) and torch.equal(conf, want_conf)
     assert conf[:, 0].eq(1).all()
-    tokens, positions, conf = dt.draft_tree_triton(table, roots, tree.rank_path, tree.depth, base, prefix, probs=probs)
-    assert torch.equal(tokens, want_tokens) and torch.equal(conf, want_conf)
-    assert torch.equal(positions, prefix[:, None] + tree.depth[None])
 
 
 @pytest.mark.parametrize("spec", ["2.2.2", "tree16"])
@@ -253,23 +231,15 @@ def test_conf_by_hand(device):
     assert got[1].tolist() == want
 
 
-def test_conf_buffers_and_bad_arguments(device):
-    # A strided persistent conf buffer, several node blocks; then rejected probs / conf_out.
+def test_conf_node_blocks_and_bad_probs(device):
+    # Several node blocks; then rejected probs.
     tree = _tree("2.2.2", 8, device)
-    table, roots, base, prefix = _case(40, 8, 3, 2, device, seed=7)
+    table, roots, base = _case(40, 8, 3, 2, device, seed=7)
     probs = _probs_like(table, seed=7)
-    conf_full = torch.full((5, 100), -7.0, device=device)
-    conf_out = conf_full[1:4, : tree.num_nodes + 1]
-    got = dt.draft_tree_triton(table, roots, tree.rank_path, tree.depth, base, prefix, probs=probs,
-                               conf_out=conf_out, block_n=32)
-    assert len(got) == 3 and got[2].data_ptr() == conf_out.data_ptr()
-    _, want = dt.draft_tree_reference(table, roots, tree.parent, tree.rank, tree.level_starts, base, probs=probs)
-    assert torch.equal(conf_out, want)
-    assert conf_full[0].eq(-7).all() and conf_full[4].eq(-7).all() and conf_full[:, tree.num_nodes + 1 :].eq(-7).all()
+    got = dt.draft_tree_triton(table, roots, tree.rank_path, tree.depth, base, probs=probs, block_n=32)
+    want = dt.draft_tree_reference(table, roots, tree.parent, tree.rank, tree.level_starts, base, probs=probs)
+    assert len(got) == 2 and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     args = (table, roots, tree.rank_path, tree.depth, base)
-    for bad in (torch.empty_like(conf_out, dtype=torch.float16), torch.empty((3, 2), device=device)):
-        with pytest.raises(ValueError, match="conf_out"):
-            dt.draft_tree_triton(*args, probs=probs, conf_out=bad)
     for bad in (probs.float(), probs[:-1], probs.t().contiguous().t(), probs.to("meta")):
         with pytest.raises(ValueError, match="probs: expected float16"):
             dt.draft_tree_triton(*args, probs=bad)
@@ -277,14 +247,14 @@ def test_conf_buffers_and_bad_arguments(device):
 
 def test_conf_empty_batch(device):
     tree = _tree("2.2.2", 8, device)
-    table, roots, _, _ = _case(20, 8, 0, 1, device, seed=0)
+    table, roots, _ = _case(20, 8, 0, 1, device, seed=0)
     tokens, conf = dt.draft_tree_triton(table, roots, tree.rank_path, tree.depth, probs=_probs_like(table, 0))
     assert tokens.shape == conf.shape == (0, tree.num_nodes + 1) and conf.dtype == torch.float32
 
 
 def test_conf_dispatcher_under_interpreter(interpreter, monkeypatch):
     tree = _tree("2.2.2", 8, "cpu")
-    table, roots, base, prefix = _case(30, 8, 4, 2, "cpu", seed=3)
+    table, roots, base = _case(30, 8, 4, 2, "cpu", seed=3)
     probs = _probs_like(table, seed=3)
     calls = []
     launcher = dt.draft_tree_triton
@@ -292,18 +262,14 @@ def test_conf_dispatcher_under_interpreter(interpreter, monkeypatch):
     want_tokens, want_conf = dt.draft_tree_reference(
         table, roots, tree.parent, tree.rank, tree.level_starts, base, probs=probs
     )
-    want_positions = prefix[:, None] + tree.depth[None]
-    tokens, positions, conf = draft_tokens(table, roots, tree, base, prefix_len=prefix, probs=probs)
+    tokens, conf = draft_tokens(table, roots, tree, base, probs=probs)
     assert calls == [1]
-    assert torch.equal(tokens, want_tokens) and torch.equal(positions, want_positions) and torch.equal(conf, want_conf)
-    conf_out = torch.empty_like(want_conf)
-    tokens, conf = dt.draft_tree(table, roots, tree, base, probs=probs, conf_out=conf_out)
-    assert calls == [1, 1] and conf.data_ptr() == conf_out.data_ptr() and torch.equal(conf, want_conf)
+    assert torch.equal(tokens, want_tokens) and torch.equal(conf, want_conf)
     # the reference path returns the same values in the same order
     monkeypatch.delenv("TRITON_INTERPRET")
-    tokens, positions, conf = draft_tokens(table, roots, tree, base, prefix_len=prefix, probs=probs)
-    assert calls == [1, 1]
-    assert torch.equal(tokens, want_tokens) and torch.equal(positions, want_positions) and torch.equal(conf, want_conf)
+    tokens, conf = draft_tokens(table, roots, tree, base, probs=probs)
+    assert calls == [1]
+    assert torch.equal(tokens, want_tokens) and torch.equal(conf, want_conf)
 
 
 @pytest.mark.gpu
@@ -312,10 +278,8 @@ def test_cuda_large_batch_matches_reference():
         pytest.skip("needs CUDA")
     tree = _tree("2.2.2", 8, "cuda")
     for slots in (1, 4):
-        table, roots, base, prefix = _case(151936, 8, 256, slots, "cuda", seed=slots)
-        tokens, positions = draft_tokens(table, roots, tree, base, prefix_len=prefix)
-        want_tokens, want_positions = _reference(table, roots, tree, base, prefix)
-        assert torch.equal(tokens, want_tokens) and torch.equal(positions, want_positions)
+        table, roots, base = _case(151936, 8, 256, slots, "cuda", seed=slots)
+        assert torch.equal(draft_tokens(table, roots, tree, base), _reference(table, roots, tree, base))
 
 
 @pytest.mark.gpu
@@ -323,10 +287,10 @@ def test_dispatcher_picks_triton_on_cuda(monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     tree = _tree("2.2.2", 8, "cuda")
-    table, roots, base, prefix = _case(1000, 8, 4, 2, "cuda", seed=1)
+    table, roots, base = _case(1000, 8, 4, 2, "cuda", seed=1)
     calls = []
     launcher = dt.draft_tree_triton
     monkeypatch.setattr(dt, "draft_tree_triton", lambda *a, **kw: calls.append(1) or launcher(*a, **kw))
     assert triton_usable(table, roots)
     tokens = draft_tokens(table, roots, tree, base)
-    assert calls == [1] and torch.equal(tokens, _reference(table, roots, tree, base, prefix)[0])
+    assert calls == [1] and torch.equal(tokens, _reference(table, roots, tree, base))

@@ -17,7 +17,8 @@ import pytest
 pytest.importorskip("vllm")
 
 from engines import (  # noqa: E402
-    TINY_PROMPTS, check_greedy_identity, engine, greedy, run_seeded, token_ids,
+    TINY_PROMPTS, check_greedy_identity, engine, greedy, pin_step_cost, run_seeded, spec_counters,
+    token_ids,
 )
 
 RECYCLING = {"method": "recycling"}
@@ -44,7 +45,8 @@ def test_tensor_parallel_ranks_hold_the_same_matrix(tiny_model, tiny_base, monke
     cores = sorted(os.sched_getaffinity(0))
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}|{cores[-1]}")  # one core per rank
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of a function
-    with engine(tiny_model, in_process=False, speculative_config=RECYCLING, tensor_parallel_size=2) as llm:
+    with engine(tiny_model, in_process=False, speculative_config=RECYCLING, tensor_parallel_size=2,
+                disable_log_stats=False) as llm:
         out = token_ids(llm.generate(TINY_PROMPTS, greedy(), use_tqdm=False))
         # the whole table (shared rows and every request's overlay rows), then the overlay keys
         tables = llm.collective_rpc(
@@ -53,8 +55,14 @@ def test_tensor_parallel_ranks_hold_the_same_matrix(tiny_model, tiny_base, monke
         # budget "auto": the same confidences, and the same trees chosen at every step
         probs = llm.collective_rpc(lambda w: w.model_runner.drafter.matrix.probs.clone())
         digests = llm.collective_rpc(lambda w: w.model_runner.drafter.budget.decision_digest)
+        # a random model: drafting rarely pays, so pin a cost where tokens are cheap (as
+        # test_auto_budget_greedy_identical does) and the seeded requests are sent drafts
+        llm.collective_rpc(pin_step_cost(0.001))
+        drafted = spec_counters(llm)["drafts"]
         seeded = run_seeded(llm)
+        drafted = spec_counters(llm)["drafts"] - drafted
     assert seeded == tiny_base["seeded"]  # every rank samples each row with the same noise
+    assert drafted > 0  # and the seeded requests were sent drafts
     assert len(tables) == 2 and torch.equal(tables[0], tables[1])
     assert torch.equal(probs[0], probs[1]) and digests[0] == digests[1] != 0
     assert int((tables[0] != 0).sum()) > 0

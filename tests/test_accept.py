@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from engines import biased_walk
 
 from vllm_recycling.kernels.draft_tree import draft_tree as draft_tokens
 from vllm_recycling.tools import accept as accept_module
@@ -134,15 +135,7 @@ def test_sampled_acceptance_keeps_target_distribution(temperature, top_k, top_p)
 def test_a_biased_walk_fails_the_same_test(monkeypatch):
     """The statistic has power: a walk that takes each parent's sampled token to be one of its
     children's (every drafted child accepted, the drafts emitted) is rejected."""
-    walk = accept_module.walk_sampled
-
-    def biased(rows, tokens, sampled):
-        child = rows.depth > 0
-        sampled = sampled.clone()
-        sampled[rows.parent[child]] = tokens[child].to(sampled.dtype)
-        return walk(rows, tokens, sampled)
-
-    monkeypatch.setattr(accept_module, "walk_sampled", biased)
+    monkeypatch.setattr(accept_module, "walk_sampled", biased_walk(accept_module.walk_sampled))
     observed, expected = _run(1.0, None, None, samples=40000, seed=0)
     chi2 = float(((observed - expected) ** 2 / expected).sum())
     assert chi2 > 10 * _chi_square_critical(V**SEQ - 1)

@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from engines import (  # noqa: E402
-    SAMPLED_REQUESTS, TINY_PROMPTS, TINY_TOKENS, TINY_VOCAB, check_greedy_identity, chi_square,
+    SAMPLED_REQUESTS, TINY_PROMPTS, TINY_TOKENS, TINY_VOCAB, biased_walk, check_greedy_identity, chi_square,
     chi_square_critical, engine, greedy, pin_step_cost, random_prompts, run_seeded, run_tiny_suite,
     sampled_params, spec_counters, token_ids, unpin_step_cost,
 )
@@ -178,15 +178,7 @@ def test_chi_square_sees_a_biased_tree_rule(tiny_model, tiny_base, monkeypatch):
     child is accepted and emitted."""
     import vllm_recycling.verifier as verifier
 
-    walk = verifier.walk_sampled
-
-    def biased(rows, tokens, sampled):
-        child = rows.depth > 0
-        sampled = sampled.clone()
-        sampled[rows.parent[child]] = tokens[child].to(sampled.dtype)
-        return walk(rows, tokens, sampled)
-
-    monkeypatch.setattr(verifier, "walk_sampled", biased)
+    monkeypatch.setattr(verifier, "walk_sampled", biased_walk(verifier.walk_sampled))
     # the matrix's tree alone: the power of the test against a biased walk over matrix children
     # (the lossless test above runs with the context branch, the default)
     spec = {**RECYCLING, "context_match": False}

@@ -391,7 +391,6 @@ int rc_tree_attention(const void *query, int64_t q_ld, int64_t num_heads, const 
     const int64_t G = num_heads / num_kv_heads;
     const int64_t tiles = (G * (width - 1) + TILE - 1) / TILE;
     const int64_t items = num_req * num_kv_heads * tiles;
-    const int64_t esize = dtype == 0 ? 4 : 2;
     const int64_t page = bs * 2 * D; /* elements of one (block, head) page */
     int bad = 0;
     for (int64_t r = 0; r < num_req; r++) {
@@ -402,7 +401,6 @@ int rc_tree_attention(const void *query, int64_t q_ld, int64_t num_heads, const 
         }
     }
     if (bad) return -2;
-    (void)esize;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t item = 0; item < items; item++) {
         const int64_t r = item / (num_kv_heads * tiles);

@@ -412,23 +412,27 @@ def test_vllm_rejects_padding_drafts():
         assert sampled.tolist() == [[3, 6, -1]]
 
 
-def verify_tree_step(device: torch.device, kv_caches: list, temperature=None):
-    """A tree step's work after the forward, as ``RecyclingProposer.verify`` does it on the
-    device: the matrix learns from every row, then ``TreeVerifier.verify`` (path choice, the
-    chain, draft probabilities when sampled, the path as the penalties' history, KV moves) with
-    repetition, frequency and presence penalties on. vLLM's rejection sampler is a stub (its
-    kernels are vLLM's). temperature [3] per request of the batch, None: all greedy."""
+def verify_tree_step(device: torch.device, kv_caches: list, penalties: bool):
+    """A greedy tree step's work after the forward, as ``RecyclingProposer.verify`` does it on
+    the device: the matrix learns from every row, then with repetition, frequency and presence
+    penalties (``penalties``) every row sampled with its path as history and the trees walked
+    (``verify_sampled``, vLLM's own ``Sampler`` underneath), without them
+    ``TreeVerifier.verify`` (path choice, the chain, vLLM's rejection sampler, here a stub: its
+    kernels are vLLM's); then the KV moves. Returns (the step, the step's work as a callable)."""
     from vllm.v1.outputs import SamplerOutput
     from vllm.v1.sample.logits_processor import LogitsProcessors
     from vllm.v1.sample.metadata import SamplingMetadata
+    from vllm.v1.sample.sampler import Sampler
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
     from vllm_recycling.matrix import AdjacencyMatrix
-    from vllm_recycling.verifier import TreeVerifier
+    from vllm_recycling.node_sampler import NodeSampler, samples_rows
+    from vllm_recycling.verifier import TreeVerifier, verify_sampled
 
     # at start-up, and when the requests join the batch (host bookkeeping)
     verifier = TreeVerifier(compile_tree(PATHS, topk=2), device)
     verifier.attention = "triton" if device.type == "cuda" else "cpu"
+    node_sampler = NodeSampler(Sampler())
     matrix = AdjacencyMatrix(10, 2, scope="overlay", max_requests=3, device=device, overlay_rows=16,
                              with_probs=True)
     for r in "abc":
@@ -438,37 +442,65 @@ def verify_tree_step(device: torch.device, kv_caches: list, temperature=None):
     step = verifier.plan(num_draft, np.array([0, 6, 7, 11]), np.array([20, 9, 30]), None)
     chain = SpecDecodeMetadata.make_dummy([[1, 2, 3, 4, 5], [], [6, 7, 8]], device)
     sampling = SamplingMetadata(
-        temperature=temperature, all_greedy=temperature is None, all_random=False,
-        top_p=None, top_k=None, generators={}, max_num_logprobs=None, no_penalties=False,
-        prompt_token_ids=torch.randint(0, 10, (3, 4), device=device),
+        temperature=None, all_greedy=True, all_random=False,
+        top_p=None, top_k=None, generators={}, max_num_logprobs=None, no_penalties=not penalties,
+        prompt_token_ids=torch.randint(0, 10, (3, 4), device=device) if penalties else None,
         frequency_penalties=torch.full((3,), 0.4, device=device),
         presence_penalties=torch.full((3,), 0.2, device=device),
-        repetition_penalties=torch.full((3,), 1.3, device=device),
+        repetition_penalties=torch.full((3,), 1.3 if penalties else 1.0, device=device),
         output_token_ids=[[1, 2], [3], [4, 5, 6]], allowed_token_ids_mask=None,
-        bad_words_token_ids={}, logitsprocs=LogitsProcessors(), spec_token_ids=[[1] * 5, [], [6] * 3],
+        bad_words_token_ids={}, logitsprocs=LogitsProcessors(), spec_token_ids=[[1, 2, 3, 4, 5], [], [6, 7, 8]],
     )
+    assert samples_rows(sampling) == penalties
     tokens = torch.randint(0, 10, (11,), device=device)
     logits = torch.randn(11, 10, device=device)
+    slot_mapping = torch.arange(100, 111, device=device)
 
     def rejection_sampler(chain, draft_probs, logits, sampling):
         rows = len(chain.num_draft_tokens), max(chain.num_draft_tokens) + 1
         return SamplerOutput(torch.full(rows, -1, dtype=torch.int32, device=device), None)
 
-    return step, lambda: (
+    def run():
         matrix.update(tokens[:, None], logits, matrix.slots(list("abc"))[
-            to_device(np.repeat(np.arange(3), num_draft + 1), torch.int64, device)]),
-        verifier.verify(step, torch.arange(100, 111, device=device), logits, tokens, chain, sampling,
-                        rejection_sampler, kv_caches),
-    )
+            to_device(np.repeat(np.arange(3), num_draft + 1), torch.int64, device)])
+        if penalties:
+            _, path, _ = verify_sampled(node_sampler, step, logits.clone(), tokens, list(num_draft), sampling)
+            verifier.move_accepted(step, path, slot_mapping, kv_caches)
+        else:
+            verifier.verify(step, slot_mapping, logits, tokens, chain, sampling, rejection_sampler, kv_caches)
+
+    return step, run
+
+
+def test_greedy_tree_step_reads_nothing_back_from_the_device(monkeypatch):
+    """The CPU stand-in of the GPU test below, in CI: a greedy tree step's verification (with
+    and without penalties) calls nothing that copies a tensor to the host or reads a value of
+    one (``tolist``, ``item``, ``cpu``, ``numpy``, truth value), which on a GPU would wait
+    for it."""
+    pytest.importorskip("vllm")
+    kv = torch.randn(16, 2, 16, 128)  # one layer's cache [blocks, kv heads, block, 2 x head size]
+    runs = [verify_tree_step(torch.device("cpu"), [kv], penalties)[1] for penalties in (False, True)]
+
+    def refuse(name):
+        def call(*args, **kwargs):
+            raise AssertionError(f"Tensor.{name} called in a tree step's verification")
+        return call
+
+    with monkeypatch.context() as patched:
+        for name in ("tolist", "item", "cpu", "numpy", "__bool__"):
+            patched.setattr(torch.Tensor, name, refuse(name))
+        for run in runs:
+            run()
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_tree_step_never_waits_for_the_gpu():
     """The GPU path's work of a tree step after its plan (``verify_tree_step``: the matrix
-    update, then ``TreeVerifier.verify`` greedy and sampled, penalties on) and its tree
-    attention, with CUDA's sync debug mode set to raise on any host synchronisation (needs
-    vLLM: where it is missing, ``test_tree_step_pieces_never_wait_for_the_gpu`` still runs)."""
+    update, then the verification of a greedy step with penalties, row by row, and of one
+    without, through ``TreeVerifier.verify``) and its tree attention, with CUDA's sync debug
+    mode set to raise on any host synchronisation (needs vLLM: where it is missing,
+    ``test_tree_step_pieces_never_wait_for_the_gpu`` still runs)."""
     pytest.importorskip("vllm")
     from vllm_recycling.kernels.tree_attention import tree_attention
 
@@ -476,11 +508,12 @@ def test_tree_step_never_waits_for_the_gpu():
     kv = torch.randn(16, 2, 16, 128, device=device, dtype=torch.float16)
     query = torch.randn(11, 4, 64, device=device, dtype=torch.float16)
     table = torch.arange(12, device=device, dtype=torch.int32).view(3, 4)
-    step, run = verify_tree_step(device, [kv])
+    steps = [verify_tree_step(device, [kv], penalties) for penalties in (False, True)]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        run()  # greedy, penalties on
+        for step, run in steps:
+            run()
         tree_attention(query, kv, table, step.req_index, step.rows, step.num_rows, step.prefix_len,
                        step.mask, torch.zeros_like(query), 0.125)
     finally:

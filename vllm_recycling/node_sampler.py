@@ -105,7 +105,7 @@ class NodeSampler:
         logits (modified in place); rows / row_req, depth [T] (the same on the device): the
         step's rows; sampling: the batch's ``SamplingMetadata``; spec_token_ids: per request,
         its scheduled drafts (host lists; node j of a request holds its draft j - 1)."""
-        states = self._set_noise(logits, rows, depth, sampling.generators)
+        states = NO_STATES if sampling.all_greedy else self._set_noise(logits, rows, depth, sampling.generators)
         expanded = expand_metadata(sampling, rows, row_req, spec_token_ids)
         return self.sampler(logits=logits, sampling_metadata=expanded), states
 
@@ -146,12 +146,17 @@ class NodeSampler:
 def samples_rows(sampling) -> bool:
     """Whether a step with drafts is verified row by row: a request samples, or one has a
     logit bias (vLLM's rejection sampler, which verifies greedy steps, applies only min-tokens
-    to the draft rows, v1/sample/rejection_sampler.py:335-340)."""
+    to the draft rows, v1/sample/rejection_sampler.py:335-340), penalties or bad words (their
+    history on a greedy path would be known only after the forward, on the device: row by row
+    every node's history is its scheduled path, known on the host beforehand)."""
     from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor
 
-    return not sampling.all_greedy or any(
-        isinstance(p, LogitBiasLogitsProcessor) and p.biases
-        for p in sampling.logitsprocs.non_argmax_invariant
+    return (
+        not sampling.all_greedy
+        or not sampling.no_penalties
+        or bool(sampling.bad_words_token_ids)
+        or any(isinstance(p, LogitBiasLogitsProcessor) and p.biases
+               for p in sampling.logitsprocs.non_argmax_invariant)
     )
 
 

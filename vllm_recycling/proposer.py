@@ -10,8 +10,9 @@ A step calls it three times, all inside one ``execute_model`` / ``sample_tokens`
 1. ``begin_step`` (``patches.runner.TreePositions``, before the forward): the batch, and for a
    tree step its tree rows and the offsets that move the nodes to their depth positions.
 2. ``verify`` (``patches.sampler.VerifyTree``, before sampling): every logits row updates the
-   matrix; a step with a sampled request is verified row by row (``verifier.verify_sampled``),
-   a greedy tree step's paths by vLLM's rejection sampler.
+   matrix; a step with a sampled request, penalties, bad words or a logit bias is verified row
+   by row (``verifier.verify_sampled``), another greedy tree step's paths by vLLM's rejection
+   sampler.
 3. ``propose`` (vLLM's own call, after bookkeeping, with CPU lists of the tokens each request
    just emitted): the budget learns from the step, then the next drafts are chosen.
 

@@ -16,7 +16,8 @@ keeps still form a tree. A step of tree verification:
    ``kernels.tree_attention`` on vLLM's Triton backend). Prefill and chain rows keep vLLM's
    causal attention.
 4. ``paths``: each request's accepted path through its tree (greedy steps: verified as a chain
-   by vLLM's own rejection sampler; steps with a sampled request: every row sampled as a plain
+   by vLLM's own rejection sampler; steps with a sampled request, penalties, bad words or a logit
+   bias: every row sampled as a plain
    step would, the tree walked by the sampled tokens), and the accepted nodes' KV moved to the
    slots of their positions (``paths.compaction``).
 

@@ -1,6 +1,7 @@
 """Owns tree mode's work in a step (``verify: "tree"``): the tree rows of the step before the
 forward, then each tree request's path verified (greedy steps: by vLLM's rejection sampler;
-steps with a sampled request: ``verify_sampled``, which serves chain mode too) and the accepted
+steps with a sampled request, penalties, bad words or a logit bias: ``verify_sampled``, which
+serves chain mode too) and the accepted
 nodes' KV moved to their positions after it.
 
 The pieces are pure PyTorch (``tree_step``, ``paths``, ``cpu_attention``); this class applies
@@ -139,16 +140,13 @@ def verify_sampled(node_sampler, tree: TreeStep | None, logits: torch.Tensor, to
 
 
 def _with_path_history(sampling, tokens: torch.Tensor, plan: ChainPlan):
-    """vLLM's ``SamplingMetadata`` (v1/sample/metadata.py:15-55) for the chosen paths.
-    Penalties, bad words and thinking budgets read each draft's history as output + drafts
-    before it (rejection_sampler.py:313-322, 393-407), from ``spec_token_ids``, which holds the
-    scheduled tree: give them the path instead."""
+    """vLLM's ``SamplingMetadata`` (v1/sample/metadata.py:15-55) for the chosen paths. A
+    thinking budget reads each draft's history from ``spec_token_ids``
+    (rejection_sampler.py:355-360), which holds the scheduled tree: give it the path instead
+    (a host sync; steps with penalties or bad words, which read histories too, are verified row
+    by row, ``node_sampler.samples_rows``, and never come here)."""
     holder = sampling.thinking_budget_state_holder
-    if (
-        sampling.no_penalties
-        and not sampling.bad_words_token_ids
-        and (holder is None or not holder.has_tracked_requests())
-    ):
+    if holder is None or not holder.has_tracked_requests():
         return sampling
     path_tokens = plan.draft_tokens(tokens).clamp(min=0).tolist()  # padding: any token
     bounds = np.cumsum([0] + plan.num_draft_tokens).tolist()

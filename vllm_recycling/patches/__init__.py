@@ -48,8 +48,9 @@ The method's seams:
   attend with vLLM's Triton backend through Triton's interpreter, so that the GPU path runs end
   to end on a CPU.
 - ``sampler``: ``VerifyTree`` hands every verified logits row to the proposer, whose matrix
-  learns from it; a step with drafts and a sampled request is verified row by row as plain
-  steps sample (``verifier.verify_sampled``), a greedy tree step by vLLM's own rejection
+  learns from it; a step with drafts and a sampled request (or penalties, bad words, a logit
+  bias) is verified row by row as plain steps sample (``verifier.verify_sampled``), another
+  greedy tree step by vLLM's own rejection
   sampler on each request's path, and the accepted nodes' KV moves to their positions.
 For ``verify="tree"`` (the default) vLLM schedules each request's tree nodes as if they were a
 chain of drafts; ``TreePositions``, the tree attention and ``VerifyTree`` make it a tree, with

@@ -214,6 +214,31 @@ def test_a_failed_background_computation_is_logged_and_nothing_else(caplog):
     assert "computing the initial matrix of m failed (exit 7" in caplog.text
 
 
+def test_progress_writes_a_line_at_most_every_progress_s_the_engine_start_included(monkeypatch, caplog):
+    """The background computation's log: nothing silent for longer than ``PROGRESS_EVERY_S``
+    while the engine starts (no progress call comes then) or while the first batch runs; then
+    the share done and the time left, counted from the engine's start."""
+    from vllm_recycling import warm
+
+    monkeypatch.setattr(warm, "PROGRESS_EVERY_S", 0.2)
+    progress = warm._Progress("log", 0, "m")
+    progress.log.addHandler(caplog.handler)
+    try:
+        progress(0, 0)  # the engine starts
+        time.sleep(0.7)
+        starting = caplog.text.count("the engine is starting")
+        progress(0, 100)  # the engine is up
+        time.sleep(0.5)
+        first_batch = caplog.text.count("the first batch is running")
+        progress(50, 100)
+        progress(100, 100)
+    finally:
+        progress.log.removeHandler(caplog.handler)
+    assert starting >= 2 and first_batch >= 1, caplog.text
+    assert "m: the engine is up in " in caplog.text and "100 rows to compute" in caplog.text
+    assert "100% (100 of 100 tokens), about 0 s left" in caplog.text
+
+
 @pytest.mark.slow
 def test_engine_serves_before_and_after_its_prior_arrives(tiny_model, tiny_base, tmp_path, monkeypatch):
     """An engine whose prior is not computed yet serves at once, greedy identical to no

@@ -168,7 +168,7 @@ def stop(proc: subprocess.Popen) -> None:
 def held_prior(tiny_model, tmp_path_factory):
     """A cache of the server's own (the models of the suite's cache, no initial matrix) and the
     lock of its initial matrix held, so that the server's background computation of it waits
-    until ``test_server_takes_its_initial_matrix_in_while_serving`` writes it and lets go."""
+    until ``test_server_survives_a_failed_computation_and_takes_a_matrix_in_later`` kills it."""
     from vllm_recycling.prior import prior_path
     from vllm_recycling.warm import _locked
 
@@ -189,17 +189,21 @@ def held_prior(tiny_model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(tiny_model, held_prior, tmp_path_factory):
     """``vllm-recycling serve tiny-random ...`` on a free port, its initial matrix held back
-    (``held_prior``); yields (base URL, timings)."""
+    (``held_prior``), with the test's worker methods (``worker_hooks``) behind vLLM's
+    development endpoint; yields (base URL, timings)."""
     port = free_port()
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     argv = [*command(), "serve", MODEL, *SERVER_ARGS, "--host", "127.0.0.1", "--port", str(port),
-            "--speculative-config", RECYCLING]
+            "--speculative-config", RECYCLING, "--worker-extension-cls", "worker_hooks.StepCostHooks"]
     url = f"http://127.0.0.1:{port}"
     start = time.monotonic()
+    tests = str(Path(__file__).parent)
+    path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)
+    env = {**server_env(), "VLLM_RECYCLING_CACHE": str(held_prior[0]), "PYTHONPATH": path,
+           "VLLM_SERVER_DEV_MODE": "1"}  # /collective_rpc, for worker_hooks
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**server_env(), "VLLM_RECYCLING_CACHE": str(held_prior[0])},
-                                start_new_session=True)
+                                env=env, start_new_session=True)
     try:
         while True:
             if proc.poll() is not None:
@@ -287,12 +291,25 @@ def test_server_spec_decode_metrics(client, server):
     assert metric_total(text, "vllm_recycling:accepted_depth_sum") == accepted
 
 
+def collective_rpc(url: str, method: str, *args: str) -> None:
+    body = json.dumps({"method": method, "args": list(args)}).encode()
+    request = urllib.request.Request(f"{url}/collective_rpc", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert response.status == 200
+
+
+def drafted(url: str) -> float:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
+        return metric_total(response.read().decode(), "vllm:spec_decode_num_draft_tokens_total")
+
+
 @pytest.mark.slow
-def test_server_seeded_requests_give_the_tokens_of_no_speculation(client, tiny_base):
+def test_server_seeded_requests_give_the_tokens_of_no_speculation(client, server, tiny_base):
     """The eight settings of the seeded suite (``engines.SEEDED_SETTINGS``: min-p and logit bias
     included, which vLLM refuses with other speculative methods) sent at once through the
-    OpenAI API to the recycling server (budget "auto"): the tokens of the in-process engine
-    without speculation."""
+    OpenAI API to the recycling server (budget "auto", its step cost pinned cheap so that it
+    sends drafts on this random model): the tokens of the in-process engine without
+    speculation."""
     from concurrent.futures import ThreadPoolExecutor
 
     from engines import SEEDED_PROMPTS, SEEDED_SETTINGS, SEEDED_TOKENS
@@ -311,15 +328,40 @@ def test_server_seeded_requests_give_the_tokens_of_no_speculation(client, tiny_b
         )
         return list(answer.choices[0].token_ids)
 
-    with ThreadPoolExecutor(len(SEEDED_SETTINGS)) as pool:
-        got = list(pool.map(complete, range(len(SEEDED_SETTINGS))))
+    url = server[0]
+    collective_rpc(url, "recycling_pin_step_cost", "0.001")
+    try:
+        before = drafted(url)
+        with ThreadPoolExecutor(len(SEEDED_SETTINGS)) as pool:
+            got = list(pool.map(complete, range(len(SEEDED_SETTINGS))))
+        sent = drafted(url) - before
+    finally:
+        collective_rpc(url, "recycling_unpin_step_cost")
     assert got == tiny_base["seeded"][: len(SEEDED_SETTINGS)]
+    assert sent > 0  # verified with drafts, not decoded plainly
+    print(f"\nseeded over HTTP: {sent:.0f} draft tokens sent")
+
+
+def prior_children(path: Path) -> list[int]:
+    """The pids of the processes computing the initial matrix ``path`` (``python -m
+    vllm_recycling.warm ... --out path``)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"vllm_recycling.warm" in argv and str(path).encode() in argv:
+            found.append(int(entry.name))
+    return found
 
 
 @pytest.mark.slow
-def test_server_takes_its_initial_matrix_in_while_serving(client, server, held_prior):
-    """The server answered before its initial matrix existed (every test above ran then); it
-    takes the matrix in while serving, and its greedy answers stay the same."""
+def test_server_survives_a_failed_computation_and_takes_a_matrix_in_later(client, server, held_prior):
+    """The server answered before its initial matrix existed (every test above ran then). Its
+    background computation is killed (as the kernel's OOM killer would): the server says so and
+    goes on serving, greedy answers unchanged. A matrix written later (``vllm-recycling warm``
+    run by hand) is still taken in while serving, and the greedy answers stay the same."""
     import torch
 
     from vllm_recycling.prior import save_prior
@@ -333,12 +375,21 @@ def test_server_takes_its_initial_matrix_in_while_serving(client, server, held_p
                                           extra_body=IGNORE_EOS).choices[0].text for p in prompts]
 
     before = answers()
-    assert "initial matrix taken in" not in log.read_text(errors="replace")
     _, path, lock = held_prior
+    children = prior_children(path)  # waiting for the lock ``held_prior`` holds
+    assert len(children) == 1, children
+    os.kill(children[0], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while "failed (exit -9" not in log.read_text(errors="replace"):
+        assert time.monotonic() < deadline, tail(log)
+        time.sleep(0.2)
+    assert "serving goes on with matrix rows learnt from traffic only" in log.read_text(errors="replace")
+    assert answers() == before
+    assert "initial matrix taken in" not in log.read_text(errors="replace")
     vocab, k = TINY_VOCAB, 8
     table = torch.stack([(torch.arange(vocab) * 7 + d) % vocab for d in range(1, k + 1)], 1).int()
     save_prior(path, table, torch.full((vocab, k), 0.1, dtype=torch.float16), MODEL, 0.0)
-    lock.__exit__()  # the background computation finds it and ends
+    lock.__exit__()
     deadline = time.monotonic() + 60
     while "initial matrix taken in" not in log.read_text(errors="replace"):  # looked for between steps
         assert time.monotonic() < deadline, tail(log)

@@ -82,7 +82,8 @@ def compute_prior(
     """(table [V, k] int32, probs [V, k] float16) from an offline ``vllm.LLM`` (prefix caching
     on, KV blocks of ``PRIOR_BLOCK``): row t holds the k most likely next tokens after
     ``context_ids + [t]`` (lower id first among equal log-probabilities, as the matrix's top-k
-    ranks them) and their probabilities. progress(done, total) is called after each batch."""
+    ranks them) and their probabilities. progress(done, total) is called before the first batch
+    (done 0) and after each batch."""
     from vllm import SamplingParams
 
     vocab = llm.llm_engine.model_config.get_vocab_size()
@@ -92,6 +93,8 @@ def compute_prior(
         llm.generate([{"prompt_token_ids": prefix}], params, use_tqdm=False)
     table = np.zeros((vocab, topk), dtype=np.int32)
     probs = np.zeros((vocab, topk), dtype=np.float16)
+    if progress is not None:
+        progress(0, vocab)
     for start in range(0, vocab, PROMPTS_PER_CALL):
         tokens = range(start, min(start + PROMPTS_PER_CALL, vocab))
         prompts = [{"prompt_token_ids": prefix + [t]} for t in tokens]
@@ -251,13 +254,17 @@ class _locked:
 
 class _Progress:
     """The child's progress: a bar, or log lines (share done, time left) at most
-    ``PROGRESS_EVERY_S`` apart; with a parent pid, the child stops when its parent is gone
-    (the server stopped: the next start computes again)."""
+    ``PROGRESS_EVERY_S`` apart, the engine's start included (a heartbeat thread writes the
+    latest state when no line came for that long); with a parent pid, the child stops when its
+    parent is gone (the server stopped: the next start computes again)."""
 
     def __init__(self, mode: str, parent: int, model: str) -> None:
         self.mode, self.parent, self.model = mode, parent, model
         self.started = self.last = time.monotonic()
+        self.engine_started: float | None = None
+        self.done = self.total = 0
         self.bar = None
+        self.lock = threading.Lock()
         self.log = logging.getLogger("vllm_recycling.warm")
         if not self.log.handlers:
             handler = logging.StreamHandler(sys.stderr)
@@ -265,27 +272,58 @@ class _Progress:
             self.log.addHandler(handler)
             self.log.setLevel(logging.INFO)
             self.log.propagate = False
+        threading.Thread(target=self._heartbeat, name="recycling-progress", daemon=True).start()
 
     def __call__(self, done: int, total: int) -> None:
         if self.parent and os.getppid() != self.parent:
             self.log.info("recycling: the server stopped; the initial matrix was not finished")
             sys.exit(3)
-        now = time.monotonic()
-        if not total:
-            self.log.info("recycling: initial matrix of %s: starting an engine to compute it", self.model)
-            return
-        if self.mode == "bar":
-            if self.bar is None:
-                from tqdm import tqdm
+        with self.lock:
+            now = time.monotonic()
+            if not total:
+                self.engine_started = self.last = now
+                self.log.info("recycling: initial matrix of %s: starting an engine to compute it", self.model)
+                return
+            if not done:  # the engine is up: time left is counted from here
+                self.started, self.total = now, total
+                self.log.info("recycling: initial matrix of %s: the engine is up in %.0f s; %d rows to compute",
+                              self.model, now - (self.engine_started or now), total)
+                self.last = now
+                return
+            self.done, self.total = done, total
+            if self.mode == "bar":
+                if self.bar is None:
+                    from tqdm import tqdm
 
-                self.bar = tqdm(total=total, unit="tok", desc="initial matrix", file=sys.stderr)
-            self.bar.update(done - self.bar.n)
+                    self.bar = tqdm(total=total, unit="tok", desc="initial matrix", file=sys.stderr)
+                self.bar.update(done - self.bar.n)
+                self.last = now
+            elif now - self.last >= PROGRESS_EVERY_S or done == total:
+                self._line(now)
+
+    def _line(self, now: float) -> None:
+        self.last = now
+        if not self.total:
+            since = now - (self.engine_started or self.started)
+            self.log.info("recycling: initial matrix of %s: the engine is starting (%.0f s)", self.model, since)
             return
-        if now - self.last >= PROGRESS_EVERY_S or done == total:
-            self.last = now
-            left = (now - self.started) * (total - done) / max(done, 1)
-            self.log.info("recycling: initial matrix of %s: %d%% (%d of %d tokens), about %.0f s left",
-                          self.model, 100 * done // total, done, total, left)
+        if not self.done:
+            self.log.info("recycling: initial matrix of %s: 0 of %d tokens (the first batch is running, %.0f s)",
+                          self.model, self.total, now - self.started)
+            return
+        left = (now - self.started) * (self.total - self.done) / self.done
+        self.log.info("recycling: initial matrix of %s: %d%% (%d of %d tokens), about %.0f s left",
+                      self.model, 100 * self.done // self.total, self.done, self.total, left)
+
+    def _heartbeat(self) -> None:
+        while True:
+            time.sleep(min(1.0, PROGRESS_EVERY_S / 4))
+            with self.lock:
+                if self.done and self.done == self.total:
+                    return
+                now = time.monotonic()
+                if now - self.last >= PROGRESS_EVERY_S and (self.mode == "log" or self.bar is None):
+                    self._line(now)
 
 
 def main(argv=None) -> int:

@@ -10,7 +10,9 @@ Prompts: the shipped Spec-Bench sample (4 questions in each of 13 categories), `
 with the model's chat template; ``--per-category`` of each category drawn with ``--seed``
 (``--held-out`` takes the questions that draw leaves out). Greedy (``--temperature`` T > 0:
 sampled, prompt i with seed i), up to ``--max-tokens`` new tokens (exactly that many with
-``--ignore-eos``), sent one at a time (batch 1) in file order.
+``--ignore-eos``), sent one at a time (batch 1) in file order; with ``--batch B`` all at once to
+an engine that runs at most B at a time (``max_num_seqs``; timed as a whole, one row "all"
+in place of the categories).
 
 Methods: no speculation; vLLM's ``ngram`` with vLLM's own defaults and with a setting tuned on
 the held-out prompts (any ``ngram:k=K:min=A:max=B`` can be named, and any recycling config as
@@ -134,8 +136,9 @@ def run_method(args) -> dict:
     questions = benchmark_questions(args)
     prompts = [{"prompt_token_ids": chat_prompt_ids(tokenizer, q["turns"][0])} for q in questions]
     spec = speculative_config(args.worker)
+    batch = {"max_num_seqs": args.batch} if args.batch > 1 else {}
     llm = LLM(model, dtype="float32", enforce_eager=True, max_model_len=2048, seed=0,
-              disable_log_stats=False, speculative_config=spec)
+              disable_log_stats=False, speculative_config=spec, **batch)
     # Sampled runs: prompt i draws with seed i, so every method answers the same requests.
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
                             ignore_eos=args.ignore_eos)
@@ -155,6 +158,15 @@ def run_method(args) -> dict:
             warm_up["prompts"] += 1
             warm_up["tokens"] += len(out.outputs[0].token_ids)
     per_category: dict[str, dict[str, float]] = {}
+    if args.batch > 1:  # every prompt at once, at most args.batch running
+        c0 = spec_decode_counters(llm)
+        start = time.perf_counter()
+        outs = llm.generate(prompts, prompt_params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        c1 = spec_decode_counters(llm)
+        per_category["all"] = {"prompts": len(outs), "tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+                               "seconds": seconds, **{k: c1[k] - c0[k] for k in ("accepted", "drafts", "draft_tokens")}}
+        questions = []
     for q, p, sp in zip(tqdm(questions, desc=args.worker, unit="prompt"), prompts, prompt_params):
         c0 = spec_decode_counters(llm)
         start = time.perf_counter()
@@ -208,6 +220,8 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0: greedy; above: sampled, prompt i with seed i")
     parser.add_argument("--ignore-eos", action="store_true", help="every answer --max-tokens long")
+    parser.add_argument("--batch", type=int, default=1,
+                        help="1: one prompt at a time; B: all at once, at most B running")
     parser.add_argument("--tag", default="cpu")
     parser.add_argument("--plot-only", action="store_true",
                         help="redraw the plot from the existing results file")
@@ -238,7 +252,7 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--worker", method, "--out", f.name,
                    "--model", args.model, "--per-category", str(args.per_category),
                    "--seed", str(args.seed), "--max-tokens", str(args.max_tokens),
-                   "--temperature", str(args.temperature)]
+                   "--temperature", str(args.temperature), "--batch", str(args.batch)]
             cmd += ["--ignore-eos"] if args.ignore_eos else []
             cmd += ["--questions", args.questions] if args.questions else []
             cmd += ["--held-out"] if args.held_out else []
@@ -255,7 +269,7 @@ def main() -> None:
         "max_tokens": args.max_tokens,
         "ignore_eos": args.ignore_eos,
         "temperature": args.temperature,
-        "batch": 1,
+        "batch": args.batch,
         "results": rows,
     }
     write_results(f"spec_bench_{args.tag}", report, markdown, plot)
@@ -323,7 +337,7 @@ def markdown(report: dict) -> str:
              f"{report['date']}; {report['machine']}; LD_PRELOAD {report.get('ld_preload', 'none')}; "
              f"vLLM {report['vllm']}; {report['model']} "
              f"{report['dtype']}; {report['prompts']}; up to {report['max_tokens']} new tokens; "
-             f"{_decoding(report)}; batch 1. Command: `{report['command']}`.", "",
+             f"{_decoding(report)}; batch {report.get('batch', 1)}. Command: `{report['command']}`.", "",
              _table(rows, base), ""]
     warm = [r for r in rows if r.get("warm_up", {}).get("prompts")]
     if warm:
@@ -380,7 +394,8 @@ def plot(report: dict, path: Path) -> None:
         ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8,
                 color="black" if v > middle else "white")
     ax.set_title(f"Tokens per step on Spec-Bench, {report['model']}, vLLM {report['vllm']}, "
-                 f"{_decoding(report)}, batch 1, up to {report['max_tokens']} new tokens", fontsize=10)
+                 f"{_decoding(report)}, batch {report.get('batch', 1)}, up to {report['max_tokens']} new tokens",
+                 fontsize=10)
     fig.colorbar(image, ax=ax, fraction=0.03, pad=0.02)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -111,8 +111,8 @@ def output_limits(args, n: int) -> list[int]:
     list for every method). With one limit for all, the clients of a level can finish in
     lockstep without speculation, and the next requests' prompts then share steps, which a
     speculative method's clients (finishing apart) do not; spread limits take that away from
-    every method alike (offline, ``lockstep.py``, that did not help the default: see
-    benchmarks/README.md, "The same in the server")."""
+    every method alike (offline, ``lockstep.py``, that did not help the default:
+    results/lockstep_r1.md, results/lockstep_r2.md)."""
     if not args.output_spread:
         return [args.max_tokens] * n
     rng = random.Random(args.seed)

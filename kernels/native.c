@@ -488,3 +488,70 @@ int rc_tree_attention(const void *query, int64_t q_ld, int64_t num_heads, const 
     }
     return 0;
 }
+
+/* out[d] = in[d * stride] for d < n, elements of elem bytes (2 or 4; any other size bytewise) */
+static void gather_strided(char *out, const char *in, int64_t n, int64_t stride, int64_t elem) {
+    if (elem == 4) {
+        uint32_t *o = (uint32_t *)out; const uint32_t *i = (const uint32_t *)in;
+        for (int64_t d = 0; d < n; d++) o[d] = i[d * stride];
+    } else if (elem == 2) {
+        uint16_t *o = (uint16_t *)out; const uint16_t *i = (const uint16_t *)in;
+        for (int64_t d = 0; d < n; d++) o[d] = i[d * stride];
+    } else {
+        for (int64_t d = 0; d < n; d++) memcpy(out + d * elem, in + d * stride * elem, elem);
+    }
+}
+
+/* out[d * stride] = in[d] for d < n */
+static void scatter_strided(char *out, const char *in, int64_t n, int64_t stride, int64_t elem) {
+    if (elem == 4) {
+        uint32_t *o = (uint32_t *)out; const uint32_t *i = (const uint32_t *)in;
+        for (int64_t d = 0; d < n; d++) o[d * stride] = i[d];
+    } else if (elem == 2) {
+        uint16_t *o = (uint16_t *)out; const uint16_t *i = (const uint16_t *)in;
+        for (int64_t d = 0; d < n; d++) o[d * stride] = i[d];
+    } else {
+        for (int64_t d = 0; d < n; d++) memcpy(out + d * stride * elem, in + d * elem, elem);
+    }
+}
+
+/* The accepted tree nodes' keys and values moved to their positions' slots, in every layer's
+ * cache at once: caches[l] is layer l's [num_blocks, H, bs, 2 D] cache of elem-byte elements
+ * (per (block, head) page: keys dimension-major [D, bs], then values [bs, D]); slot src[i] is
+ * copied to slot dst[i], every source read before any destination is written (a layer's moved
+ * rows go through the scratch buffer); a pair with src[i] == dst[i] is skipped. Returns -2 for
+ * a slot outside the caches. */
+int rc_move_slots(const int64_t *caches, int64_t num_layers, int64_t num_blocks, int64_t H,
+                  int64_t bs, int64_t D, int64_t elem, const int64_t *src, const int64_t *dst,
+                  int64_t n, void *scratch) {
+    const int64_t slots = num_blocks * bs;
+    for (int64_t i = 0; i < n; i++)
+        if (src[i] < 0 || src[i] >= slots || dst[i] < 0 || dst[i] >= slots) return -2;
+    const int64_t page = bs * 2 * D * elem; /* bytes of one (block, head) page */
+    const int64_t row = D * elem;
+    char *tmp = (char *)scratch; /* [n, H, 2, D] elements */
+    for (int64_t l = 0; l < num_layers; l++) {
+        char *cache = (char *)(intptr_t)caches[l];
+        for (int64_t i = 0; i < n; i++) {
+            if (src[i] == dst[i]) continue; /* a pair that moves nothing */
+            const int64_t blk = src[i] / bs, off = src[i] % bs;
+            for (int64_t h = 0; h < H; h++) {
+                const char *p = cache + (blk * H + h) * page;
+                char *t = tmp + ((i * H + h) * 2) * row;
+                gather_strided(t, p + off * elem, D, bs, elem);
+                memcpy(t + row, p + bs * row + off * row, row);
+            }
+        }
+        for (int64_t i = 0; i < n; i++) {
+            if (src[i] == dst[i]) continue;
+            const int64_t blk = dst[i] / bs, off = dst[i] % bs;
+            for (int64_t h = 0; h < H; h++) {
+                char *p = cache + (blk * H + h) * page;
+                const char *t = tmp + ((i * H + h) * 2) * row;
+                scatter_strided(p + off * elem, t, D, bs, elem);
+                memcpy(p + bs * row + off * row, t + row, row);
+            }
+        }
+    }
+    return 0;
+}

@@ -141,6 +141,8 @@ def _load(path: Path):
     lib.rc_tree_attention.argtypes = [p, i64, i64, p, i64, i64, i64, i64, p, i64, p, p, p, p, i64, p,
                                       i64, p, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
     lib.rc_tree_attention.restype = ctypes.c_int
+    lib.rc_move_slots.argtypes = [p, i64, i64, i64, i64, i64, i64, p, p, i64, p]
+    lib.rc_move_slots.restype = ctypes.c_int
     return lib
 
 
@@ -338,3 +340,39 @@ class TreeAttention:
                       block_table.stride(0), *self._step, output.data_ptr(), *self._out, scale, *self._kind)
         if rc == -2:
             raise IndexError(f"a tree request's block table names a block outside the cache's {self.num_blocks}")
+
+
+def move_slots_takes(kv_caches: list[torch.Tensor]) -> bool:
+    """Whether ``move_slots`` takes these: contiguous CPU caches [blocks, H_kv, block, 2 D], all
+    of one shape and dtype."""
+    first = kv_caches[0] if kv_caches else None
+    return (
+        first is not None
+        and first.device.type == "cpu"
+        and first.dim() == 4
+        and first.shape[3] % 2 == 0
+        and all(c.shape == first.shape and c.dtype == first.dtype and c.is_contiguous() for c in kv_caches)
+        and available()
+    )
+
+
+def move_slots(kv_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+    """``cpu_attention.move_slots`` in every cache of ``kv_caches`` in one C call (check
+    ``move_slots_takes`` first): slot src[i]'s key and value copied to slot dst[i], all read
+    before any is written. A slot outside the caches raises IndexError."""
+    if src.numel() == 0:
+        return
+    num_blocks, heads, block_size, two_d = kv_caches[0].shape
+    elem = kv_caches[0].element_size()
+    src, dst = src.to(torch.int64).contiguous(), dst.to(torch.int64).contiguous()
+    pointers = np.fromiter((c.data_ptr() for c in kv_caches), dtype=np.int64, count=len(kv_caches))
+    need = src.numel() * heads * two_d * elem
+    scratch = _state.get("move_scratch")
+    if scratch is None or scratch.numel() < need:  # grows only: no allocation in a steady state
+        scratch = _state["move_scratch"] = torch.empty(max(need, 1 << 16), dtype=torch.uint8)
+    rc = _library().rc_move_slots(
+        pointers.ctypes.data, len(kv_caches), num_blocks, heads, block_size, two_d // 2, elem,
+        src.data_ptr(), dst.data_ptr(), src.numel(), scratch.data_ptr(),
+    )
+    if rc == -2:
+        raise IndexError(f"move_slots: a slot outside the caches' {num_blocks * block_size}")

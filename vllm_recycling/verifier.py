@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from vllm_recycling import cpu_attention, triton_path
+from vllm_recycling.kernels import native
 from vllm_recycling.paths import (
     ChainPlan, StepRows, StepRowsOnDevice, choose_paths, compaction, tree_paths, walk_sampled,
 )
@@ -103,6 +104,9 @@ class TreeVerifier:
         self._move(*compaction(tree, path, slot_mapping), kv_caches)
 
     def _move(self, src: torch.Tensor, dst: torch.Tensor, kv_caches: list[torch.Tensor]) -> None:
+        if self.attention == "cpu" and native.move_slots_takes(kv_caches):
+            native.move_slots(kv_caches, src, dst)  # every layer in one C call
+            return
         move = cpu_attention.move_slots if self.attention == "cpu" else triton_path.move_slots
         for kv_cache in kv_caches:
             move(kv_cache, src, dst)

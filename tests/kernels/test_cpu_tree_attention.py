@@ -218,3 +218,31 @@ def test_roots_only_metadata_spares_vllm_the_node_rows():
         s.step.cpu_plan = None
         tree_attention_cpu(s.step, s.query, out, s.cache, s.table, s.scale)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_move_slots_every_layer_in_one_call_equals_the_torch_moves(dtype):
+    """``native.move_slots`` over three layers' caches: what ``cpu_attention.move_slots`` does
+    layer by layer, for the pairs ``paths.compaction`` makes (self-copies, and a destination
+    that is another pair's source: every source read before any write)."""
+    from vllm_recycling.cpu_attention import move_slots
+
+    caches = [torch.randn(6, 3, 16, 2 * 64).to(dtype) for _ in range(3)]
+    expected = [c.clone() for c in caches]
+    src = torch.tensor([17, 19, 23, 40, 41, 70, 71], dtype=torch.int64)
+    dst = torch.tensor([17, 18, 19, 40, 41, 65, 66], dtype=torch.int64)  # 19: read, then written
+    for cache in expected:
+        move_slots(cache, src, dst)
+    assert native.move_slots_takes(caches)
+    native.move_slots(caches, src, dst)
+    for got, want in zip(caches, expected):
+        assert torch.equal(got, want)
+
+
+def test_move_slots_refuses_a_slot_outside_the_caches_before_writing():
+    caches = [torch.randn(2, 1, 16, 2 * 16)]
+    before = caches[0].clone()
+    with pytest.raises(IndexError, match="outside the caches' 32"):
+        native.move_slots(caches, torch.tensor([3, 1]), torch.tensor([2, 32]))
+    assert torch.equal(caches[0], before)
+    assert not native.move_slots_takes([caches[0], torch.randn(3, 1, 16, 32)])  # shapes differ

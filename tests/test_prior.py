@@ -224,6 +224,8 @@ def test_progress_writes_a_line_at_most_every_progress_s_the_engine_start_includ
     progress = warm._Progress("log", 0, "m")
     progress.log.addHandler(caplog.handler)
     try:
+        time.sleep(0.5)  # the lock: another process computes it
+        waiting = caplog.text.count("waiting for another process computing it")
         progress(0, 0)  # the engine starts
         time.sleep(0.7)
         starting = caplog.text.count("the engine is starting")
@@ -234,7 +236,7 @@ def test_progress_writes_a_line_at_most_every_progress_s_the_engine_start_includ
         progress(100, 100)
     finally:
         progress.log.removeHandler(caplog.handler)
-    assert starting >= 2 and first_batch >= 1, caplog.text
+    assert waiting >= 1 and starting >= 2 and first_batch >= 1, caplog.text
     assert "m: the engine is up in " in caplog.text and "100 rows to compute" in caplog.text
     assert "100% (100 of 100 tokens), about 0 s left" in caplog.text
 

@@ -303,9 +303,13 @@ class _Progress:
 
     def _line(self, now: float) -> None:
         self.last = now
+        if self.engine_started is None:  # the lock: another process is computing it
+            self.log.info("recycling: initial matrix of %s: waiting for another process computing it (%.0f s)",
+                          self.model, now - self.started)
+            return
         if not self.total:
-            since = now - (self.engine_started or self.started)
-            self.log.info("recycling: initial matrix of %s: the engine is starting (%.0f s)", self.model, since)
+            self.log.info("recycling: initial matrix of %s: the engine is starting (%.0f s)", self.model,
+                          now - self.engine_started)
             return
         if not self.done:
             self.log.info("recycling: initial matrix of %s: 0 of %d tokens (the first batch is running, %.0f s)",

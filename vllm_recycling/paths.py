@@ -6,8 +6,8 @@ out as chains in vLLM's own terms (``SpecDecodeMetadata`` rows), built on the de
 reading the paths; vLLM's rejection sampler then verifies them with every sampling feature it
 has and emits its chain-format output: the target's argmax chain.
 
-Steps with a sampled request, penalties, bad words or a logit bias: every row of the step is sampled as a plain step of vLLM's
-sampler would sample it at the row's output position (``node_sampler.NodeSampler``), and
+Steps with a sampled request, penalties, bad words or a logit bias: every row of the step is
+sampled as a plain step of vLLM's sampler would sample it at the row's output position (``node_sampler.NodeSampler``), and
 ``walk_sampled`` walks each request's tree (``StepRows``) as greedy verification does: a child
 is accepted when its token is the token sampled at its parent. The emitted tokens are those a
 plain step would have emitted, position by position.

@@ -99,8 +99,8 @@ impl attributes it checks; ``cpu_attention.roots_only_metadata`` rebuilds a tree
 ``seq_lens``, ``block_table``, ``scheduler_metadata``, ``causal``, ``dynamic_causal``,
 ``use_sdpa_prefill``) with ``_custom_ops.cpu_attn_get_scheduler_metadata`` (_custom_ops.py:3850)
 from the impl's ``num_heads``, ``num_kv_heads``, ``head_size``, ``sliding_window``,
-``kv_cache_dtype`` and the layer's ``isa`` (cpu_attn.py:169-176); ``verifier`` builds vLLM's ``SpecDecodeMetadata`` and reads
-``SamplingMetadata``.
+``kv_cache_dtype`` and the layer's ``isa`` (cpu_attn.py:169-176); ``verifier`` builds vLLM's
+``SpecDecodeMetadata`` and reads ``SamplingMetadata``.
 """
 
 from __future__ import annotations

@@ -7,9 +7,10 @@ reading the paths; vLLM's rejection sampler then verifies them with every sampli
 has and emits its chain-format output: the target's argmax chain.
 
 Steps with a sampled request, penalties, bad words or a logit bias: every row of the step is
-sampled as a plain step of vLLM's sampler would sample it at the row's output position (``node_sampler.NodeSampler``), and
-``walk_sampled`` walks each request's tree (``StepRows``) as greedy verification does: a child
-is accepted when its token is the token sampled at its parent. The emitted tokens are those a
+sampled as a plain step of vLLM's sampler would sample it at the row's output position
+(``node_sampler.NodeSampler``), and ``walk_sampled`` walks each request's tree (``StepRows``)
+as greedy verification does: a child is accepted when its token is the token sampled at its
+parent. The emitted tokens are those a
 plain step would have emitted, position by position.
 
 ``compaction`` then moves the accepted nodes' KV from their node slots (prefix + j) to their

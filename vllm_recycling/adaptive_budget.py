@@ -110,7 +110,7 @@ class AdaptiveBudget:
         logger.info(
             "recycling: step cost profiled in %.1f s: %s",
             time.perf_counter() - started,
-            ", ".join(f"{n} tokens {1e3 * t:.1f} ms" for n, t in zip(sizes, seconds) if n in (1, 2, 4, 16, 64, sizes[-1])),
+            ", ".join(f"{n} tokens {1e3 * t:.1f} ms" for n, t in zip(sizes, seconds)),
         )
 
     # -- each step -------------------------------------------------------------------------------

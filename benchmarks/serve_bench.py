@@ -120,7 +120,9 @@ def output_limits(args, n: int) -> list[int]:
     return [rng.randint(low, args.max_tokens) for _ in range(n)]
 
 
-def run_method(method: str, args, questions: list[dict], log_dir: Path) -> dict:
+def run_method(method: str, args, questions: list[dict], log_dir: Path, run: int = 1) -> dict:
+    """One method at every level, each on a fresh server; ``run``: its place in the order run
+    (names the servers' logs, so a method listed twice keeps both)."""
     from tqdm import tqdm
 
     spec = speculative_config(method)
@@ -131,7 +133,7 @@ def run_method(method: str, args, questions: list[dict], log_dir: Path) -> dict:
         # requests at the level's concurrency and length (a server's first steps of each batch
         # shape are slow on the CPU: measured, a fresh server for no speculation at 4 clients
         # gave 39.0 tokens/s against 45.8 for one warmed by the level before).
-        log_path = log_dir / f"{method.replace(' ', '_')}_c{c}.log"
+        log_path = log_dir / f"{run}_{method.replace(' ', '_').replace(':', '_')}_c{c}.log"
         # 4 GiB of KV cache unless the environment sets its own.
         env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
         with Server(args.model, SERVER_ARGS, spec, log_path, env) as server:
@@ -147,7 +149,25 @@ def run_method(method: str, args, questions: list[dict], log_dir: Path) -> dict:
                     load(server.url, args.model, requests, c, output_limits(args, n), progress))
             after = server.metrics()
         rows.append(_level_row(c, n, results, seconds, before, after))
+        budget = budget_log(log_path)
+        if budget:
+            rows[-1]["budget_log"] = budget
     return {"method": method, "speculative_config": spec, "levels": rows}
+
+
+BUDGET_LINES = ("recycling: step cost profiled", "recycling budget:")
+
+
+def budget_log(log_path: Path) -> list[str]:
+    """The adaptive budget's own account of a server's run, from its log: the start-up profile
+    of the step cost (seconds per step against the tokens in it) and the last 30-second summary
+    (drafts sent per request per step, measured and predicted step time, the fitted terms)."""
+    found: dict[str, str] = {}
+    for line in log_path.read_text(errors="replace").splitlines():
+        for key in BUDGET_LINES:
+            if key in line:
+                found[key] = line[line.index(key):].strip()
+    return [found[key] for key in BUDGET_LINES if key in found]
 
 
 def _level_row(c, n, results, seconds, before, after) -> dict:
@@ -221,7 +241,7 @@ def main() -> None:
     for i, method in enumerate(methods, 1):
         print(f"[{i}/{len(methods)}] {method}", flush=True)
         try:
-            rows.append(run_method(method, args, questions, log_dir))
+            rows.append(run_method(method, args, questions, log_dir, i))
         except Exception as e:  # keep the other methods' results; the server logs stay
             rows.append({"method": method, "speculative_config": speculative_config(method),
                          "error": f"{type(e).__name__}: {e}; server logs in {log_dir}",
@@ -267,7 +287,15 @@ def markdown(report: dict) -> str:
         _table(rows), "",
         *[f"**{r['method']} failed:** {r['error']}\n" for r in rows if r.get("error")],
         "Output tokens/s relative to no speculation at the same concurrency:", "",
-        _ratios(rows), "", *_paired_section(rows)])
+        _ratios(rows), "", *_paired_section(rows), *_budget_section(rows)])
+
+
+def _budget_section(rows) -> list[str]:
+    """The budget's start-up profile and last summary, per run and level (``budget_log``)."""
+    lines = [f"- {r['method']} (run {i}), c={lv['concurrency']}: " + "; ".join(f"`{x}`" for x in lv["budget_log"])
+             for i, r in enumerate(rows, 1) for lv in r["levels"] if lv.get("budget_log")]
+    return ["The budget's log, per run (its place in the order run) and level: the start-up profile of "
+            "the step cost and the last 30-second summary:", "", *lines, ""] if lines else []
 
 
 def _table(rows) -> str:

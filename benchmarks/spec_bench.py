@@ -121,7 +121,8 @@ def benchmark_questions(args, held_out: bool | None = None) -> list[dict]:
 def run_method(args) -> dict:
     """One engine, every prompt one at a time; returns the method's figures."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    # The engine in this process (starts in ~2 s instead of ~17 s): one engine per process anyway.
+    # The engine in this process (starts in ~2 s instead of ~17 s) unless the caller sets
+    # VLLM_ENABLE_V1_MULTIPROCESSING=1 (vLLM's own default): see ``engine_mode``.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from transformers import AutoTokenizer
     from tqdm import tqdm
@@ -261,6 +262,7 @@ def main() -> None:
         print(_table(rows[-1:]), flush=True)
     report = {
         **run_header("spec_bench.py", args.model),
+        "engine": engine_mode(),
         "dtype": "float32",
         "prompts": (f"Spec-Bench turns[0] with the chat template: the shipped 52-question sample, "
                     f"{'the questions left out by ' if args.held_out else ''}{args.per_category} "
@@ -304,10 +306,26 @@ def ensure_model_prior(model: str, topk: int = 8) -> None:
     ensure_prior(args, args.create_model_config(), topk, progress="bar")
 
 
+# Variables that change what a run measures, named in its command when set: the engine in
+# this process or vLLM's own processes, and how vLLM binds the CPU worker's threads.
+ENGINE_VARIABLES = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND",
+                    "VLLM_CPU_NUM_OF_RESERVED_CPU")
+
+
+def engine_mode() -> str:
+    """Where spec_bench's engine runs, which decides how many cores compute the model on a CPU."""
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") == "1":
+        return ("vLLM's engine and worker processes (vLLM's default: the CPU worker's threads bound "
+                "to the cores vLLM does not reserve, one of two here)")
+    return "the engine in the benchmark's process (no thread binding: the model on every core)"
+
+
 def run_header(script: str, model: str) -> dict:
-    """What every results file starts with: date, machine, vLLM version, model, the command."""
+    """What every results file starts with: date, machine, vLLM version, model, the command
+    (with the ``ENGINE_VARIABLES`` set in the environment before it)."""
     import vllm
 
+    env = [f"{k}={os.environ[k]}" for k in ENGINE_VARIABLES if k in os.environ]
     return {
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs ({cpu_model()}), {platform.platform()}",
@@ -316,7 +334,7 @@ def run_header(script: str, model: str) -> dict:
         "ld_preload": " ".join(Path(p).name for p in os.environ.get("LD_PRELOAD", "").split(":") if p)
         or "none",
         "model": model,
-        "command": " ".join([f"python benchmarks/{script}"] + [
+        "command": " ".join(env + [f"python benchmarks/{script}"] + [
             f"'{a}'" if " " in a or "," in a else a for a in sys.argv[1:]]),
     }
 
@@ -337,7 +355,9 @@ def markdown(report: dict) -> str:
              f"{report['date']}; {report['machine']}; LD_PRELOAD {report.get('ld_preload', 'none')}; "
              f"vLLM {report['vllm']}; {report['model']} "
              f"{report['dtype']}; {report['prompts']}; up to {report['max_tokens']} new tokens; "
-             f"{_decoding(report)}; batch {report.get('batch', 1)}. Command: `{report['command']}`.", "",
+             f"{_decoding(report)}; batch {report.get('batch', 1)}"
+             + (f"; {report['engine']}" if "engine" in report else "")
+             + f". Command: `{report['command']}`.", "",
              _table(rows, base), ""]
     warm = [r for r in rows if r.get("warm_up", {}).get("prompts")]
     if warm:

@@ -64,6 +64,20 @@ def test_cpu_model_names_the_processor_and_avx512():
     assert spec_bench.cpu_model("processor\t: 0\n") == "unknown CPU without AVX-512"
 
 
+def test_results_name_the_engine_and_the_variables_that_shape_it(monkeypatch):
+    pytest.importorskip("vllm")
+    for name in spec_bench.ENGINE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(sys, "argv", ["spec_bench.py", "--tag", "x"])
+    assert spec_bench.run_header("spec_bench.py", "smollm2")["command"] == "python benchmarks/spec_bench.py --tag x"
+    assert spec_bench.engine_mode().startswith("the engine in the benchmark's process")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    assert spec_bench.run_header("spec_bench.py", "smollm2")["command"] == (
+        "VLLM_ENABLE_V1_MULTIPROCESSING=1 VLLM_CPU_OMP_THREADS_BIND=0-1 python benchmarks/spec_bench.py --tag x")
+    assert spec_bench.engine_mode().startswith("vLLM's engine and worker processes")
+
+
 def test_figures_count_every_step():
     # 10 tokens in 4 steps (1 prefill + 3 decode steps that accepted 6 drafts in all).
     f = spec_bench._figures({"prompts": 1, "tokens": 10, "accepted": 6, "drafts": 3,
@@ -135,6 +149,27 @@ def test_serve_tables_and_plot(tmp_path):
     pytest.importorskip("matplotlib")
     serve_bench.plot(report, tmp_path / "serve.png")
     assert (tmp_path / "serve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_serve_bench_keeps_the_budgets_profile_and_last_summary(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text(
+        "(APIServer pid=1) INFO starting\n"
+        "(Worker pid=2) INFO [adaptive_budget.py:110] recycling: step cost profiled in 6.9 s: 1 tokens 47.1 ms\n"
+        "(Worker pid=2) INFO [adaptive_budget.py:263] recycling budget: 10 decode steps, 0.50 drafts\n"
+        "(Worker pid=2) INFO [adaptive_budget.py:263] recycling budget: 20 decode steps, 0.25 drafts\n")
+    lines = serve_bench.budget_log(log)
+    assert lines == ["recycling: step cost profiled in 6.9 s: 1 tokens 47.1 ms",
+                     "recycling budget: 20 decode steps, 0.25 drafts"]
+    (tmp_path / "none.log").write_text("(APIServer pid=1) INFO no speculation\n")
+    assert serve_bench.budget_log(tmp_path / "none.log") == []
+    level = {**_level(4, 20.0), "budget_log": lines}
+    md = serve_bench.markdown({"date": "d", "machine": "m", "vllm": "0.32.0", "model": "smollm2",
+                               "server_args": [], "prompts": "p", "max_tokens": 48, "requests": "r",
+                               "command": "c", "results": [{"method": "none", "levels": [_level(4, 20.0)]},
+                                                           {"method": "recycling auto", "levels": [level]}]})
+    assert ("- recycling auto (run 2), c=4: `recycling: step cost profiled in 6.9 s: 1 tokens 47.1 ms`; "
+            "`recycling budget: 20 decode steps, 0.25 drafts`") in md
 
 
 def test_verify_cost_tree_step_computes_each_path_as_a_sequence():

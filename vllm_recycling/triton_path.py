@@ -79,6 +79,12 @@ def move_slots(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> 
     kv_cache[dst // block_size, :, dst % block_size] = moved
 
 
+def move_all(kv_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+    """``move_slots`` in every layer's cache."""
+    for kv_cache in kv_caches:
+        move_slots(kv_cache, src, dst)
+
+
 def self_check(device: torch.device, dtype: torch.dtype) -> str | None:
     """Run the tree kernel against its PyTorch reference on random data on ``device``; None
     when they agree within ``SELF_CHECK_TOLERANCE``, else what went wrong."""

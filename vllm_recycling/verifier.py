@@ -17,8 +17,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from vllm_recycling import cpu_attention, triton_path
-from vllm_recycling.kernels import native
+from vllm_recycling.cpu_attention import PagedKV
 from vllm_recycling.paths import (
     ChainPlan, StepRows, StepRowsOnDevice, choose_paths, compaction, tree_paths, walk_sampled,
 )
@@ -34,12 +33,14 @@ class TreeVerifier:
     def __init__(self, template: TreeTemplate, device: torch.device) -> None:
         self.layout = TreeLayout.from_template(template, device)
         self.device = device
-        self.attention = "cpu"  # the attention the tree pass runs on, from check_support
+        # where accepted nodes' keys and values move (kv_caches, src, dst): the paged caches of
+        # the attention the tree pass runs on, from check_support
+        self.move_kv: Callable[[list[torch.Tensor], torch.Tensor, torch.Tensor], None] = PagedKV().move
 
     def check_support(self, vllm_config, model) -> None:
         """At start-up: refuse a set-up tree verification cannot serve exactly
-        (``support.check_tree_support``), else note the attention it runs on."""
-        self.attention = check_tree_support(vllm_config, model)
+        (``support.check_tree_support``), else note how its KV caches are laid out."""
+        self.move_kv = check_tree_support(vllm_config, model)
 
     def plan(
         self,
@@ -94,22 +95,14 @@ class TreeVerifier:
         )
         sampling = _with_path_history(sampling_metadata, tokens, plan)
         output = rejection_sampler(chain, None, logits[plan.rows], sampling)
-        self._move(*plan.compaction(tree, output.sampled_token_ids, slot_mapping), kv_caches)
+        self.move_kv(kv_caches, *plan.compaction(tree, output.sampled_token_ids, slot_mapping))
         return output, plan.path
 
     def move_accepted(self, tree: TreeStep, path: torch.Tensor, slot_mapping: torch.Tensor,
                       kv_caches: list[torch.Tensor]) -> None:
         """Move the accepted nodes of each tree request's ``path`` [R, D] (local indices, -1
         past them) to their positions' slots in every cache."""
-        self._move(*compaction(tree, path, slot_mapping), kv_caches)
-
-    def _move(self, src: torch.Tensor, dst: torch.Tensor, kv_caches: list[torch.Tensor]) -> None:
-        if self.attention == "cpu" and native.move_slots_takes(kv_caches):
-            native.move_slots(kv_caches, src, dst)  # every layer in one C call
-            return
-        move = cpu_attention.move_slots if self.attention == "cpu" else triton_path.move_slots
-        for kv_cache in kv_caches:
-            move(kv_cache, src, dst)
+        self.move_kv(kv_caches, *compaction(tree, path, slot_mapping))
 
 
 def verify_sampled(node_sampler, tree: TreeStep | None, logits: torch.Tensor, tokens: torch.Tensor,

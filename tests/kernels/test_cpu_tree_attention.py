@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_recycling.cpu_attention import read_blocks, tree_attention_cpu, tree_attention_reference
+from vllm_recycling.cpu_attention import page_indices, read_blocks, tree_attention_cpu, tree_attention_reference
 from vllm_recycling.kernels import native
 from vllm_recycling.tree import compile_tree
 from vllm_recycling.tree_step import TreeLayout, TreeStep
@@ -24,13 +24,13 @@ TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 class Step:
     """A batch: per request (drafts scheduled, tokens already computed), a 3-token prefill chunk
-    first; the cache in vLLM's CPU layout ([blocks, H_kv, bs, 2D], keys dimension-major per
-    page), blocks shuffled, the keys of every slot no request owns NaN, and their values NaN too
-    unless ``finite_values`` (the reference multiplies them by 0, as vLLM's zero-filled caches
-    allow); query a slice of a wider tensor."""
+    first; the cache in vLLM's CPU layout ``isa`` ([blocks, H_kv, bs, 2D], each page's keys then
+    values as ``page_indices`` places them), blocks shuffled, the keys of every slot no request
+    owns NaN, and their values NaN too unless ``finite_values`` (the reference multiplies them by
+    0, as vLLM's zero-filled caches allow); query a slice of a wider tensor."""
 
     def __init__(self, drafts, computed, heads, kv_heads, dim, dtype, block_size=16, seed=0,
-                 finite_values=False):
+                 finite_values=False, isa="vec"):
         g = torch.Generator().manual_seed(seed)
         layout = TreeLayout.from_template(compile_tree(PATHS, topk=3), "cpu")
         num_draft = np.array([0, *drafts])
@@ -39,25 +39,31 @@ class Step:
         self.qsl = np.concatenate([[0], np.cumsum(lens)])
         self.step = TreeStep.plan(layout, num_draft, self.qsl, self.computed, "cpu")
         self.heads, self.kv_heads, self.dim, self.dtype = heads, kv_heads, dim, dtype
-        self.block_size, self.scale = block_size, dim ** -0.5
+        self.block_size, self.scale, self.isa = block_size, dim ** -0.5, isa
         batch, total = len(num_draft), int(self.qsl[-1])
         max_blocks = int(max(-(-(c + n) // block_size) for c, n in zip(self.computed, lens))) + 1
         num_blocks = batch * max_blocks + 3
         self.table = torch.randperm(num_blocks, generator=g)[: batch * max_blocks].view(batch, max_blocks).int()
-        pages = torch.full((num_blocks, kv_heads, 2, block_size * dim), float("nan"))
-        keys = pages[:, :, 0].view(num_blocks, kv_heads, dim, block_size)
-        values = pages[:, :, 1].view(num_blocks, kv_heads, block_size, dim)
+        pages = torch.full((num_blocks, kv_heads, 2 * block_size * dim), float("nan"))
+        key_at, value_at = page_indices(isa, block_size, dim)
         if finite_values:
-            values.zero_()
+            pages[:, :, value_at.reshape(-1)] = 0.0
         for b in range(batch):
             for pos in range(int(self.computed[b] + lens[b])):
                 blk, off = int(self.table[b, pos // block_size]), pos % block_size
-                keys[blk, :, :, off] = torch.randn(kv_heads, dim, generator=g)
-                values[blk, :, off, :] = torch.randn(kv_heads, dim, generator=g)
+                pages[blk, :, key_at[off]] = torch.randn(kv_heads, dim, generator=g)
+                pages[blk, :, value_at[off]] = torch.randn(kv_heads, dim, generator=g)
         self.cache = pages.view(num_blocks, kv_heads, block_size, 2 * dim).to(dtype)
         qkv = torch.randn((total, heads + 2 * kv_heads, dim), generator=g)
         self.query = qkv.to(dtype)[:, :heads]
         self.before = torch.randn((total, heads * dim), generator=g).to(dtype)
+
+    def slot(self, b, pos):
+        """The cached key and value [H_kv, D] of request b's position pos, as float64."""
+        blk, off = int(self.table[b, pos // self.block_size]), pos % self.block_size
+        key_at, value_at = page_indices(self.isa, self.block_size, self.dim)
+        page = self.cache[blk].reshape(self.kv_heads, -1).double()
+        return page[:, key_at[off]], page[:, value_at[off]]
 
     def native(self, threads=None):
         out = self.before.clone()
@@ -65,9 +71,9 @@ class Step:
             old = torch.get_num_threads()
             torch.set_num_threads(threads)
         try:
-            assert native.tree_attention_takes(self.query, self.cache, out)
+            assert native.tree_attention_takes(self.query, self.cache, out, self.isa)
             self.step.cpu_plan = None
-            tree_attention_cpu(self.step, self.query, out, self.cache, self.table, self.scale)
+            tree_attention_cpu(self.step, self.query, out, self.cache, self.table, self.scale, self.isa)
         finally:
             if threads is not None:
                 torch.set_num_threads(old)
@@ -78,7 +84,7 @@ class Step:
         table = self.table[self.step.req_index]
         self.step.cpu_plan = None
         tree_attention_reference(
-            self.step, self.query, out, lambda req, n: read_blocks(self.cache, table[req], n), self.scale)
+            self.step, self.query, out, lambda req, n: read_blocks(self.cache, table[req], n, self.isa), self.scale)
         return out
 
     def written(self):
@@ -90,22 +96,17 @@ class Step:
     def oracle(self):
         """float64 [T, H*D] on the written rows: softmax over each node's visible positions."""
         out = torch.zeros(self.before.shape, dtype=torch.float64)
-        cache = self.cache.double()
         group = self.heads // self.kv_heads
         step = self.step
         for r in range(len(step.req_index)):
             b, root, prefix = int(step.req_index[r]), int(step.root_row[r]), int(step.prefix_len[r])
             for j in range(1, int(step.num_rows[r])):
                 positions = list(range(prefix)) + [prefix + i for i in range(j + 1) if step.mask[r, j, i]]
+                keys, values = zip(*(self.slot(b, pos) for pos in positions))
+                keys, values = torch.stack(keys, 1), torch.stack(values, 1)  # [H_kv, n, D]
                 for h in range(self.heads):
-                    ks, vs = [], []
-                    for pos in positions:
-                        page = cache[int(self.table[b, pos // self.block_size]), h // group]
-                        off = pos % self.block_size
-                        ks.append(page.reshape(2, -1)[0].view(self.dim, self.block_size)[:, off])
-                        vs.append(page.reshape(2, -1)[1].view(self.block_size, self.dim)[off])
-                    w = torch.softmax(torch.stack(ks) @ self.query[root + j, h].double() * self.scale, 0)
-                    out[root + j, h * self.dim:(h + 1) * self.dim] = w @ torch.stack(vs)
+                    w = torch.softmax(keys[h // group] @ self.query[root + j, h].double() * self.scale, 0)
+                    out[root + j, h * self.dim:(h + 1) * self.dim] = w @ values[h // group]
         return out
 
 
@@ -246,3 +247,133 @@ def test_move_slots_refuses_a_slot_outside_the_caches_before_writing():
         native.move_slots(caches, torch.tensor([3, 1]), torch.tensor([2, 32]))
     assert torch.equal(caches[0], before)
     assert not native.move_slots_takes([caches[0], torch.randn(3, 1, 16, 32)])  # shapes differ
+
+
+# --- the amx layout: bfloat16 models on CPUs with AMX (vLLM's _get_attn_isa) -------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size", [32, 128])
+@pytest.mark.parametrize("heads", [(9, 3), (14, 2)], ids=lambda h: f"H{h[0]}_kv{h[1]}")
+def test_amx_layout_matches_explicit_attention(dtype, block_size, heads):
+    """Pages in the amx layout (keys [bs/16][D/2][16][2], values [D/16][bs/2][16][2]): the C
+    kernel (bfloat16: AVX512-BF16 products where the CPU has them) and the reference against
+    float64 attention over each node's gathered positions, within 16-bit rounding; untouched rows
+    stay as they were. Head sizes 64, 96 and 128; the cache's unowned values NaN (an odd last
+    page position's pair partner never reaches the output)."""
+    for dim in (64, 96, 128):
+        s = Step(*RAGGED, *heads, dim, dtype, block_size=block_size, seed=block_size + dim, isa="amx",
+                 finite_values=dim != 96)
+        rows, keep = s.written()
+        got, oracle = s.native(), s.oracle()
+        assert torch.equal(got[keep], s.before[keep])
+        _close(got[rows], oracle[rows], dtype)
+        if dim != 96:
+            _close(s.reference()[rows], oracle[rows], dtype)
+
+
+def test_amx_layout_is_what_vllm_writes():
+    """``page_indices("amx")`` is where vLLM's own cache-write op puts each token: the op is plain
+    stores, so it runs on CPUs without AMX too (where it does not, this says so and skips)."""
+    pytest.importorskip("vllm")
+    from vllm_recycling.cpu_attention import check_layout
+
+    for block_size, dim in ((32, 64), (128, 64), (64, 128), (32, 96)):
+        try:
+            ok = check_layout("amx", torch.bfloat16, dim, block_size)
+        except RuntimeError as e:  # noqa: PERF203
+            pytest.skip(f"vLLM's amx cache-write op does not run here: {e}")
+        assert ok, (block_size, dim)
+    assert check_layout("vec", torch.bfloat16, 64, 32) and check_layout("vec", torch.float32, 64, 128)
+
+
+def test_amx_tree_rows_equal_vllm_attention_on_a_chain():
+    """On a chain (every node's ancestors are the nodes before it) tree attention is causal
+    attention: the node rows from the C kernel equal vLLM's own amx kernel's for the same rows,
+    the cache written by vLLM's own op (bfloat16, both summing bfloat16 products in fp32; within
+    a few bfloat16 ulps of the output). The tree is a chain of 10 and a sibling of its last node
+    (a tree step needs a branch); the sibling's row, which causal attention gets wrong, is left
+    out. Needs a CPU where vLLM picks amx."""
+    pytest.importorskip("vllm")
+    from vllm import _custom_ops as ops
+
+    from vllm_recycling.cpu_attention import attention_isa
+
+    block_size, dim, heads, kv_heads = 32, 64, 14, 2
+    if attention_isa(torch.bfloat16, block_size, dim) != "amx":
+        pytest.skip("vLLM picks amx only on CPUs with AMX")
+    torch._C._cpu._init_amx()  # the tile registers, which a server's first bfloat16 matmul asks for
+    chain = [[0] * d for d in range(1, 11)] + [[0] * 9 + [1]]
+    layout = TreeLayout.from_template(compile_tree(chain, topk=2), "cpu")
+    g = torch.Generator().manual_seed(5)
+    computed = np.array([37, 130, 64])
+    drafts = np.array([11, 11, 11])
+    qsl = np.concatenate([[0], np.cumsum(drafts + 1)])
+    step = TreeStep.plan(layout, drafts, qsl, computed, "cpu")
+    total, seq = int(qsl[-1]), computed + drafts + 1
+    blocks = -(-seq // block_size)
+    table = torch.zeros(len(seq), int(blocks.max()), dtype=torch.int32)
+    table_ids = torch.randperm(int(blocks.sum()) + 2, generator=g)
+    at = 0
+    for b, n in enumerate(blocks):
+        table[b, :n] = table_ids[at: at + n].int()
+        at += n
+    num_blocks = int(blocks.sum()) + 2
+    cache = torch.zeros(num_blocks, kv_heads, block_size, 2 * dim, dtype=torch.bfloat16)
+    key_cache, value_cache = cache.view(num_blocks, kv_heads, 2 * block_size, dim).chunk(2, 2)
+    for b in range(len(seq)):
+        pos = torch.arange(int(seq[b]))
+        slots = table[b].long()[pos // block_size] * block_size + pos % block_size
+        k = torch.randn(len(pos), kv_heads, dim, generator=g).to(torch.bfloat16)
+        v = torch.randn(len(pos), kv_heads, dim, generator=g).to(torch.bfloat16)
+        ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, "amx", k_scale=1.0, v_scale=1.0,
+                                       kv_cache_dtype="auto")
+    query = torch.randn(total, heads, dim, generator=g).to(torch.bfloat16)
+    qsl_t = torch.from_numpy(qsl.astype(np.int32))
+    seq_t = torch.from_numpy(seq.astype(np.int32))
+    sched = ops.cpu_attn_get_scheduler_metadata(len(seq), heads, kv_heads, dim, seq_t, torch.bfloat16, qsl_t, True,
+                                                -1, "amx", False)
+    want = torch.zeros(total, heads, dim, dtype=torch.bfloat16)
+    ops.cpu_attention_with_kv_cache(query, key_cache, value_cache, want, qsl_t, seq_t, dim ** -0.5, True, None, -1,
+                                    table, 0.0, sched, None)
+    got = want.clone().view(total, heads * dim)
+    step.cpu_plan = None
+    tree_attention_cpu(step, query, got, cache, table, dim ** -0.5, "amx")
+    rows = [int(r) + j for r, n in zip(step.root_row, step.num_rows) for j in range(1, int(n) - 1)]
+    got, want = got.view(total, heads, dim)[rows].float(), want[rows].float()
+    # a bfloat16 ulp at the scale of each head's output (its largest element): sums of products
+    # in another order round apart by that much, whatever the size of one element
+    scale = want.abs().amax(dim=-1, keepdim=True)
+    ulp = torch.exp2(torch.floor(torch.log2(scale.clamp(min=2 ** -100))) - 7)
+    assert bool(((got - want).abs() <= ulp).all())
+    assert float((got == want).float().mean()) > 0.7  # and mostly the same bits
+
+
+def test_amx_move_slots_every_layer_in_one_call_equals_the_torch_moves():
+    """``native.move_slots`` in the amx layout equals ``cpu_attention.move_slots``, a destination
+    that is another pair's source included."""
+    from vllm_recycling.cpu_attention import move_slots
+
+    caches = [torch.randn(6, 2, 32, 2 * 64).to(torch.bfloat16) for _ in range(3)]
+    expected = [c.clone() for c in caches]
+    src = torch.tensor([33, 35, 40, 70, 71, 100], dtype=torch.int64)
+    dst = torch.tensor([33, 34, 35, 65, 66, 97], dtype=torch.int64)
+    for cache in expected:
+        move_slots(cache, src, dst, "amx")
+    assert native.move_slots_takes(caches, "amx")
+    native.move_slots(caches, src, dst, "amx")
+    for got, want in zip(caches, expected):
+        assert torch.equal(got, want)
+    assert not native.move_slots_takes([torch.randn(2, 1, 16, 64).to(torch.bfloat16)], "amx")  # 16-token blocks
+
+
+def test_a_layer_of_another_shape_raises():
+    """Every layer of a step must share the first layer's shapes (support refuses other models at
+    start-up; the kernel checks each call)."""
+    s = Step([4], [20], 4, 2, 64, torch.float32)
+    out = s.before.clone()
+    s.step.cpu_plan = None
+    tree_attention_cpu(s.step, s.query, out, s.cache, s.table, s.scale)
+    other = torch.zeros(s.cache.shape[0], 1, s.cache.shape[2], s.cache.shape[3])
+    with pytest.raises(ValueError, match="differ from the step's first layer"):
+        s.step.cpu_plan(s.query, out, other, s.table, s.scale)

@@ -46,8 +46,8 @@ class TreeAttentionCPU(MethodPatch):
                 step.cpu_causal = (attn_metadata, meta or attn_metadata)
             return step.cpu_causal[1]
 
-        def tree_pass(impl, step, query, key, value, kv_cache, attn_metadata, output):
-            tree_attention_cpu(step, query, output, kv_cache, attn_metadata.block_table, impl.scale)
+        def tree_pass(impl, layer, step, query, key, value, kv_cache, attn_metadata, output):
+            tree_attention_cpu(step, query, output, kv_cache, attn_metadata.block_table, impl.scale, layer.isa)
 
         return _after_causal_attention(original, tree_pass, causal_metadata)
 
@@ -81,7 +81,7 @@ class TreeAttentionTriton(MethodPatch):
 
     @staticmethod
     def wrap(original):
-        def tree_pass(impl, step, query, key, value, kv_cache, attn_metadata, output):
+        def tree_pass(impl, layer, step, query, key, value, kv_cache, attn_metadata, output):
             heads, dim = impl.num_heads, impl.head_size
             kernel_tree_attention(
                 query.view(query.shape[0], heads, dim), kv_cache, attn_metadata.block_table,
@@ -95,8 +95,8 @@ class TreeAttentionTriton(MethodPatch):
 def _after_causal_attention(original: Callable, tree_pass: Callable,
                             causal_metadata: Callable | None = None) -> Callable:
     """An attention backend's ``forward``: vLLM's own (causal for every row: prefills, chains
-    and tree roots come out right), then, in a tree step, ``tree_pass(impl, step, query, key,
-    value, kv_cache, attn_metadata, output)`` overwrites the tree nodes' rows. In a tree step
+    and tree roots come out right), then, in a tree step, ``tree_pass(impl, layer, step, query,
+    key, value, kv_cache, attn_metadata, output)`` overwrites the tree nodes' rows. In a tree step
     vLLM's kernel runs with ``causal_metadata(impl, layer, step, query, attn_metadata)`` when
     given (metadata that spares it the node rows). Dummy runs (token counts other than the
     step's) and non-decoder layers get vLLM's result only. The time the tree pass takes is the
@@ -117,7 +117,7 @@ def _after_causal_attention(original: Callable, tree_pass: Callable,
         ACTIVE_TREE.seconds += time.perf_counter() - started
         output = original(self, layer, query, key, value, kv_cache, causal, output, *args, **kw)
         started = time.perf_counter()
-        tree_pass(self, tree, query, key, value, kv_cache, attn_metadata, output)
+        tree_pass(self, layer, tree, query, key, value, kv_cache, attn_metadata, output)
         ACTIVE_TREE.seconds += time.perf_counter() - started
         return output
 

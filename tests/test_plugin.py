@@ -226,7 +226,7 @@ def test_engine_config_tree_default(tiny_model):
         "tree": None, "topk": 8, "matrix_scope": "overlay", "overlay_rows": 4096, "salt_matrices": 16,
         "matrix_snapshot": None,
         "matrix_snapshot_interval": 300.0,
-        "verify": "tree", "num_speculative_tokens": 80, "budget": "auto", "matrix_init": "model", "context_match": True,
+        "verify": None, "num_speculative_tokens": 80, "budget": "auto", "matrix_init": "model", "context_match": True,
     }
     spec = {"method": "recycling", "tree": "tree16"}
     config = EngineArgs(tiny_model, **ENGINE, speculative_config=spec).create_engine_config()

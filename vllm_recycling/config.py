@@ -12,7 +12,7 @@ what it knows (``method="custom_class"``, the proposer's class path and
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -88,11 +88,13 @@ class RecyclingConfig:
         followed the longest recent match of the request's own history (prompt and output)
         earlier in it (what vLLM's ngram method drafts); the budget sends it by how often such
         matches are accepted. False: the matrix's tree alone.
-    verify: "tree" (default): the tree's nodes are drafted and verified in one forward pass;
-        "chain": the matrix's top-1 chain, verified by vLLM's rejection sampler as it is.
+    verify: "tree": the tree's nodes are drafted and verified in one forward pass; "chain":
+        the matrix's top-1 chain, verified by vLLM's rejection sampler as it is. None (the
+        default): "tree" where tree verification is supported (``support.check_tree_support``,
+        at start-up), else "chain", said once in the log; an explicit "tree" is refused there.
     num_speculative_tokens: tokens drafted per step. verify="tree": the first that many nodes
         of the template in breadth-first order (a smaller tree); None means all of them.
-        verify="chain": the chain length (1..16); None means 6.
+        verify="chain": the chain length (1..16); None means 6. (verify unset: as for "tree".)
     budget: "auto" (default): each step verifies only the drafted nodes worth their cost on
         this hardware at this batch size (``vllm_recycling.budget``), from none (plain
         decoding) to all of them; the template is the pool it picks from. "fixed": every node
@@ -106,7 +108,7 @@ class RecyclingConfig:
     salt_matrices: int = DEFAULT_SALT_MATRICES
     matrix_snapshot: str | None = None
     matrix_snapshot_interval: float = 300.0
-    verify: str = "tree"
+    verify: str | None = None
     num_speculative_tokens: int | None = None
     budget: str = "auto"
     matrix_init: str = "model"
@@ -155,7 +157,7 @@ class RecyclingConfig:
             raise _field_error(
                 "matrix_snapshot_interval", interval, "expected a number of seconds >= 0"
             )
-        if self.verify not in VERIFY_MODES:
+        if self.verify is not None and self.verify not in VERIFY_MODES:
             raise _field_error("verify", self.verify, _one_of(VERIFY_MODES))
         if self.budget not in BUDGETS:
             raise _field_error("budget", self.budget, _one_of(BUDGETS))
@@ -176,15 +178,15 @@ class RecyclingConfig:
                 "tree", tree,
                 "expected a shipped template name, a JSON file path, or a list of paths",
             )
-        if tree is not None or self.verify == "tree":
+        if tree is not None or self.drafts_trees:
             template = self.tree_template()  # compiles it: a bad template fails here
         k = self.num_speculative_tokens
-        if self.verify == "tree":
+        if self.drafts_trees:
             most, what = template.num_nodes, f"the nodes of tree {template.name!r}"
         else:
             most, what = MAX_DEPTH, "the chain length"
         if k is None:
-            k = most if self.verify == "tree" else DEFAULT_CHAIN_LENGTH
+            k = most if self.drafts_trees else DEFAULT_CHAIN_LENGTH
             object.__setattr__(self, "num_speculative_tokens", k)
         if not _is_int(k) or not 1 <= k <= most:
             raise _field_error(
@@ -238,6 +240,17 @@ class RecyclingConfig:
         return cls.from_dict({"method": METHOD, **extra[ADDITIONAL_CONFIG_KEY]})
 
     # -- derived ---------------------------------------------------------------------------------
+    @property
+    def drafts_trees(self) -> bool:
+        """Whether the drafts are trees: verify "tree", or unset (until a start-up check finds
+        trees cannot be verified: ``as_chain``)."""
+        return self.verify != "chain"
+
+    def as_chain(self) -> "RecyclingConfig":
+        """This config with verify "chain" (and the chain's default length), what an unset
+        verify becomes where trees cannot be verified."""
+        return replace(self, verify="chain", num_speculative_tokens=None)
+
     def tree_template(self) -> TreeTemplate:
         """The compiled ``tree`` template (the default one when tree is None)."""
         tree = DEFAULT_TREE if self.tree is None else self.tree
@@ -252,7 +265,7 @@ class RecyclingConfig:
     def context_length(self) -> int:
         """The context branch's nodes: CONTEXT_LENGTH with context_match in tree mode (a chain
         verifier takes one chain), else 0."""
-        return CONTEXT_LENGTH if self.context_match and self.verify == "tree" else 0
+        return CONTEXT_LENGTH if self.context_match and self.drafts_trees else 0
 
     @property
     def max_drafts(self) -> int:
@@ -262,7 +275,8 @@ class RecyclingConfig:
 
     def draft_template(self) -> TreeTemplate:
         """What each step drafts: verify="tree": the tree's first num_speculative_tokens nodes
-        (breadth-first); verify="chain": the top-1 chain ``[[0], [0, 0], ...]``."""
+        (breadth-first), verify unset likewise; verify="chain": the top-1 chain
+        ``[[0], [0, 0], ...]``."""
         k = self.num_speculative_tokens
         if self.verify == "chain":
             return compile_tree(

@@ -36,6 +36,7 @@ from vllm_recycling.config import RecyclingConfig
 from vllm_recycling.matrix import AdjacencyMatrix
 from vllm_recycling.prior import find_prior
 from vllm_recycling.slots import MatrixSlots
+from vllm_recycling.support import TreesUnsupported
 from vllm_recycling.step import ACTIVE_TREE, NO_PROPOSAL, Proposal, StepPlan, StepRecord, Verification
 from vllm_recycling.transfer import StagedBuffer, to_device
 from vllm_recycling.tree import hybrid_tree
@@ -57,8 +58,7 @@ class RecyclingProposer:
         device = torch.device(vllm_config.device_config.device)
         max_requests = vllm_config.scheduler_config.max_num_seqs
         self.max_model_len = model_config.max_model_len
-        self.template = self.config.draft_template().to(device)
-        self.hybrid = hybrid_tree(self.template, self.config.context_length, self.config.topk).to(device)
+        self.device = device
         auto = self.config.budget == "auto"
         prior, self.prior_watch = None, None
         if self.config.matrix_init == "model":
@@ -78,8 +78,7 @@ class RecyclingProposer:
             initial_probs=initial_probs,
         )
         self.slots = MatrixSlots(self.matrix, self.config, max_requests)
-        self.budget = AdaptiveBudget(self.hybrid, self.config.topk, device) if auto else None
-        self.verifier = TreeVerifier(self.hybrid.tree, device) if self.config.verify == "tree" else None
+        self._drafting(self.config)
         self.batch: list[str] = []  # the step's request ids, in batch order
         # per request of the batch: True when it must get no drafts (structured output)
         self._no_drafts: list[bool] = []
@@ -88,14 +87,34 @@ class RecyclingProposer:
         self._roots = StagedBuffer(max_requests, torch.int64, device)
         self._node_sampler: NodeSampler | None = None  # built from vLLM's sampler at first use
 
+    def _drafting(self, config: RecyclingConfig) -> None:
+        """The rooms that depend on what is drafted (a tree or the chain): the template, with the
+        context branch (``hybrid``), the budget and the tree verifier."""
+        self.config = config
+        self.template = config.draft_template().to(self.device)
+        self.hybrid = hybrid_tree(self.template, config.context_length, config.topk).to(self.device)
+        self.budget = AdaptiveBudget(self.hybrid, config.topk, self.device) if config.budget == "auto" else None
+        self.verifier = TreeVerifier(self.hybrid.tree, self.device) if config.drafts_trees else None
+
     # -- start-up ---------------------------------------------------------------------------------
     def load_model(self, target_model) -> None:
         """Nothing to load: the target model verifies, the matrix drafts. (The CPU runner calls
         this unconditionally, cpu_model_runner.py:74-76; the GPU runner if it exists,
         gpu_model_runner.py:5070-5073.) Tree mode checks here, at start-up, that this vLLM
-        set-up is one tree verification supports."""
-        if self.verifier is not None:
+        set-up is one tree verification supports: where it is not, an explicit verify "tree"
+        refuses to start, an unset one drafts the matrix's chain instead (every rank alike: they
+        load one model) and says why once."""
+        if self.verifier is None:
+            return
+        try:
             self.verifier.check_support(self.vllm_config, target_model)
+        except TreesUnsupported as e:
+            if self.config.verify == "tree":
+                raise
+            self._drafting(self.config.as_chain())
+            if _first_rank():
+                logger.warning("recycling: trees cannot be verified here (%s): verifying the matrix's "
+                               "top-%d chain instead", e.why, self.config.num_speculative_tokens)
 
     def profile_step_cost(self, run_tokens: Callable[[int], Any], max_tokens: int) -> None:
         """budget "auto", at start-up (``patches.runner.ProfileStepCost``): the cost model's
@@ -285,3 +304,13 @@ class RecyclingProposer:
             sent[self.batch[i]] = (nodes + 1, np.zeros(nodes.size, dtype=np.int64))
         self.proposal = Proposal(sent=sent)
         return drafts
+
+
+def _first_rank() -> bool:
+    """Whether this worker is the first tensor-parallel rank (or the only one)."""
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank() == 0
+    except (AssertionError, ImportError):  # no parallel group set up
+        return True

@@ -15,6 +15,18 @@ from vllm_recycling import cpu_attention, triton_path
 from vllm_recycling.config import RecyclingConfigError
 
 
+class TreesUnsupported(RecyclingConfigError):
+    """Tree verification cannot serve this set-up exactly; ``why`` says what it is."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+        super().__init__(
+            f"speculative_config verify='tree' is not available here: {why}. Use "
+            "verify='chain' (the matrix's top-1 chain, verified by vLLM as it is), or leave "
+            "verify unset: the default verifies the chain where trees cannot be verified."
+        )
+
+
 def check_tree_support(vllm_config, model) -> Callable[[list[torch.Tensor], torch.Tensor, torch.Tensor], None]:
     """Refuse, at start-up, a set-up where verify="tree" would not be exact here; else return
     how the accepted nodes' keys and values move in its KV caches, ``move(kv_caches, src,
@@ -33,12 +45,7 @@ def check_tree_support(vllm_config, model) -> Callable[[list[torch.Tensor], torc
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
     from vllm.platforms import current_platform
 
-    def refuse(why: str) -> RecyclingConfigError:
-        return RecyclingConfigError(
-            f"speculative_config verify='tree' is not available here: {why}. Use "
-            "verify='chain' (the matrix's top-1 chain, verified by vLLM as it is), or leave "
-            "verify unset: the default verifies the chain where trees cannot be verified."
-        )
+    refuse = TreesUnsupported
 
     on_cpu = current_platform.is_cpu()
     kind = "triton" if current_platform.is_cuda() or (on_cpu and triton_path.requested_on_cpu()) else "cpu"

@@ -74,11 +74,18 @@ def translate_recycling_spec(engine_args: Any, target_model_config: Any) -> None
             f"speculative method 'recycling' stores its settings in additional_config, which must "
             f"be a dict; got {type(extra).__name__}"
         )
-    if config.verify == "tree":
+    if config.drafts_trees:
         from vllm.platforms import current_platform
 
         if current_platform.is_cuda():
-            engine_settings(engine_args)  # TRITON_ATTN, piecewise CUDA graphs
+            try:
+                engine_settings(engine_args)  # TRITON_ATTN, piecewise CUDA graphs
+            except RecyclingConfigError as e:
+                if config.verify == "tree":
+                    raise
+                config = config.as_chain()
+                logger.warning("recycling: trees cannot be verified here (%s): verifying the matrix's "
+                               "top-%d chain instead", e, config.num_speculative_tokens)
     if config.matrix_init == "model":  # computed once per model; on the CPU beside serving
         from vllm.platforms import current_platform
 
@@ -94,7 +101,8 @@ def translate_recycling_spec(engine_args: Any, target_model_config: Any) -> None
     logger.info(
         "recycling: verify=%s, %d draft tokens per step (%s%s) from a %s top-%d adjacency matrix "
         "starting %s%s",
-        config.verify, config.max_drafts, config.draft_template().name,
+        config.verify or "tree (the chain where trees cannot be verified)", config.max_drafts,
+        config.draft_template().name,
         f" and a context branch of {config.context_length}" if config.context_length else "",
         config.matrix_scope, config.topk,
         "from the model's prior" if config.matrix_init == "model" else "empty",

@@ -1,0 +1,91 @@
+"""Every model vLLM serves works exactly or is refused at start-up with the reason.
+
+- bfloat16: vLLM picks its KV layout by dtype and CPU (``amx`` for bfloat16 on CPUs with AMX,
+  ``vec`` elsewhere); trees are verified in whichever it picks, greedy output as without
+  speculation (to bfloat16's near-ties, ``engines.NEAR_TIE``).
+- A model with sliding-window layers beside full ones (Gemma 3's pattern: two KV-cache groups):
+  the default configuration verifies the matrix's chain instead of trees and stays exact; an
+  explicit ``"verify": "tree"`` is refused, naming why.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engines import TINY_PROMPTS, check_greedy_identity, engine, greedy, spec_counters, token_ids
+
+pytestmark = pytest.mark.slow
+
+GEMMA_PROMPTS = TINY_PROMPTS[:6]
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3(tiny_model, tmp_path_factory) -> str:
+    """A two-layer random Gemma 3 (a sliding-window layer of 16 positions, then a full one),
+    with tiny-random's tokenizer: what vLLM keeps in two KV-cache groups."""
+    import torch
+    from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
+
+    out = tmp_path_factory.mktemp("tiny-gemma3")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    config = Gemma3TextConfig(
+        vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=2048, initializer_range=0.5, tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        Gemma3ForCausalLM(config).to(torch.float32).eval().save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return str(out)
+
+
+def _drafting(worker) -> tuple:
+    drafter = worker.model_runner.drafter
+    layout = None if drafter.verifier is None else getattr(drafter.verifier.move_kv, "__self__", None)
+    return drafter.config.verify, drafter.verifier is not None, getattr(layout, "isa", None)
+
+
+def test_sliding_window_model_verifies_the_chain_by_default_and_stays_exact(tiny_gemma3):
+    with engine(tiny_gemma3) as llm:
+        base = llm.generate(GEMMA_PROMPTS, greedy(logprobs=2), use_tqdm=False)
+    spec = {"method": "recycling", "matrix_init": "empty", "budget": "fixed"}
+    with engine(tiny_gemma3, speculative_config=spec, disable_log_stats=False) as llm:
+        assert llm.collective_rpc(_drafting) == [("chain", False, None)]
+        llm.generate(GEMMA_PROMPTS, greedy(), use_tqdm=False)  # the matrix learns
+        recycled = token_ids(llm.generate(GEMMA_PROMPTS, greedy(), use_tqdm=False))
+        counters = spec_counters(llm)
+    assert counters["accepted"] > 0  # chains were drafted and accepted
+    check_greedy_identity(base, recycled)
+
+
+def test_sliding_window_model_refuses_explicit_trees(tiny_gemma3):
+    from vllm_recycling.config import RecyclingConfigError
+
+    spec = {"method": "recycling", "matrix_init": "empty", "verify": "tree"}
+    with pytest.raises(RecyclingConfigError, match=r"verify='tree' is not available here: sliding-window"):
+        with engine(tiny_gemma3, speculative_config=spec):
+            pass
+
+
+def test_bfloat16_trees_in_the_kv_layout_vllm_picks(tiny_model):
+    """Trees on every step (budget fixed) in bfloat16: the layout the tree pass reads is the one
+    vLLM picked for the model (amx on an AMX CPU), and greedy output is that of no
+    speculation."""
+    import torch
+
+    from vllm_recycling.cpu_attention import attention_isa
+
+    with engine(tiny_model, dtype="bfloat16") as llm:
+        base = llm.generate(TINY_PROMPTS, greedy(logprobs=2), use_tqdm=False)
+    spec = {"method": "recycling", "budget": "fixed"}
+    with engine(tiny_model, dtype="bfloat16", speculative_config=spec, disable_log_stats=False) as llm:
+        isa = attention_isa(torch.bfloat16, llm.llm_engine.vllm_config.cache_config.block_size, 64)
+        assert llm.collective_rpc(_drafting) == [(None, True, isa)]
+        llm.generate(TINY_PROMPTS, greedy(), use_tqdm=False)
+        recycled = token_ids(llm.generate(TINY_PROMPTS, greedy(), use_tqdm=False))
+        counters = spec_counters(llm)
+    assert counters["accepted"] > 0
+    result = check_greedy_identity(base, recycled, dtype="bfloat16")
+    assert result["identical"] >= len(TINY_PROMPTS) - 2

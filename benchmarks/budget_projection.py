@@ -68,7 +68,8 @@ def trace_reference(args) -> dict:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     vocab = model.config.vocab_size
     try:  # the plugin's default start: the model's prior (`vllm-recycling warm` caches it)
-        prior = load_prior(prior_path(path, None, vocab, 8), vocab, 8)
+        loaded = load_prior(prior_path(path, None, vocab, 8), vocab, 8)
+        prior = (loaded.table, loaded.probs)
     except PriorError:
         prior = None
     matrix = AdjacencyMatrix(vocab, 8, with_probs=True, prior=prior)

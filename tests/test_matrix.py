@@ -390,7 +390,7 @@ def _prior(vocab: int = 16, k: int = 2):
 
 def test_every_new_matrix_starts_from_the_prior():
     """Shared (without a snapshot), per-request and overlay matrices start from the prior, with
-    its probabilities; a snapshot replaces it for the shared matrix only."""
+    its probabilities; a snapshot replaces it for the shared matrix only, in the rows it holds."""
     table, probs = _prior()
     shared = AdjacencyMatrix(16, 2, prior=(table, probs), with_probs=True)
     assert torch.equal(shared.table, table) and torch.equal(shared.probs, -probs)  # marked: the prior's
@@ -401,9 +401,12 @@ def test_every_new_matrix_starts_from_the_prior():
     pool.allocate("b")
     assert torch.equal(matrix_rows(pool, "b"), table) and torch.equal(pool.probs[:16], -probs)
     snapshot = torch.zeros((16, 2), dtype=torch.int32)
+    snapshot[4] = torch.tensor([9, 8], dtype=torch.int32)  # the one row traffic wrote
     overlay = AdjacencyMatrix(16, 2, scope="overlay", max_requests=1, prior=(table, probs),
                               initial=snapshot, overlay_rows=16, with_probs=True)
-    assert overlay.table[:16].eq(0).all() and overlay.probs[:16].eq(0).all()  # the snapshot's
+    assert overlay.table[4].tolist() == [9, 8] and overlay.probs[4].eq(0).all()  # the snapshot's
+    rest = torch.arange(16) != 4  # rows nothing wrote: the prior's (review B1)
+    assert torch.equal(overlay.table[:16][rest], table[rest]) and torch.equal(overlay.probs[:16][rest], -probs[rest])
 
 
 def test_a_new_salt_starts_from_the_prior_not_from_other_tenants():

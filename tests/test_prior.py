@@ -17,6 +17,7 @@ import torch
 from vllm_recycling import prior as prior_module
 from vllm_recycling.matrix import AdjacencyMatrix
 from vllm_recycling.prior import (
+    Prior,
     PriorError,
     PriorWatch,
     cache_root,
@@ -38,7 +39,7 @@ def test_round_trip_and_atomic_write(tmp_path):
     path = tmp_path / "priors" / "p.safetensors"
     save_prior(path, table, probs, "m", 1.5)
     got = load_prior(path, 16, 4)
-    assert torch.equal(got[0], table) and torch.equal(got[1], probs)
+    assert torch.equal(got.table, table) and torch.equal(got.probs, probs) and got.complete
     assert [p.name for p in path.parent.iterdir()] == ["p.safetensors"]  # no temporary left
     assert oct(path.stat().st_mode & 0o777) == "0o644"
 
@@ -101,8 +102,9 @@ def test_prior_through_vllm_is_the_models_own_top_k(tiny_model, monkeypatch):
     args = EngineArgs(tiny_model, **ENGINE)
     model_config = args.create_model_config()
     path = ensure_prior(args, model_config, 8)
-    table, probs = load_prior(path, 1024, 8)
-    assert path.stat().st_mtime == ensure_prior(args, model_config, 8).stat().st_mtime  # cached
+    prior = load_prior(path, 1024, 8)
+    table, probs = prior.table, prior.probs
+    assert prior.complete and path.stat().st_mtime == ensure_prior(args, model_config, 8).stat().st_mtime  # cached
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
@@ -137,7 +139,7 @@ def test_take_prior_fills_only_rows_nothing_wrote():
         written = torch.tensor([[3, 1, 2, 0]], dtype=torch.int32)
         m.table[5:6] = written
         m.probs[5:6] = 0.5
-        filled = m.take_prior((table, probs))
+        filled = m.take_prior(Prior(table, probs, vocab))
         matrices = 2 if scope in ("per_request", "salt") else 1
         matrices += 1 if scope == "salt" else 0  # the shared matrix and each salt's
         assert filled == matrices * vocab - 1, scope
@@ -156,17 +158,28 @@ def test_take_prior_fills_only_rows_nothing_wrote():
             assert torch.equal(m.table[2 * vocab:3 * vocab], table)
 
 
-def test_prior_watch_loads_the_file_once_it_is_whole(tmp_path, monkeypatch):
+def test_prior_watch_takes_rows_as_they_are_computed(tmp_path, monkeypatch):
+    """A file that does not load is never taken; a partial prior's rows are taken as they grow
+    (each poll returns it only when it has rows not taken yet), until it is complete."""
     monkeypatch.setattr(prior_module, "POLL_S", 0.0)
     path = tmp_path / "p.safetensors"
     watch = PriorWatch(path, 16, 4)
     assert watch.poll() is None  # no file yet
-    path.write_bytes(b"partial")
+    path.write_bytes(b"torn")
     assert watch.poll() is None  # a file that does not load is not taken
     table, probs = _prior()
-    save_prior(path, table, probs, "m", 1.0)
+    partial = table.clone()
+    partial[6:] = 0
+    save_prior(path, partial, probs, "m", 1.0, rows=6)
     got = watch.poll()
-    assert got is not None and torch.equal(got[0], table)
+    assert got is not None and got.rows == 6 and not got.complete and torch.equal(got.table, partial)
+    watch.took(got)
+    assert watch.poll() is None and not watch.done  # nothing new
+    save_prior(path, table, probs, "m", 2.0)
+    got = watch.poll()
+    assert got is not None and got.complete
+    watch.took(got)
+    assert watch.done
 
 
 def test_prior_watch_looks_at_most_every_poll_s(tmp_path, monkeypatch):
@@ -180,19 +193,107 @@ def test_prior_watch_looks_at_most_every_poll_s(tmp_path, monkeypatch):
     assert watch.poll() is None  # then not before POLL_S has passed
 
 
-def test_tensor_parallel_ranks_take_the_prior_at_the_same_step(tmp_path):
-    """With several ranks, a rank that has loaded the prior waits for the others: readiness is
-    averaged every POLL_STEPS steps and the prior taken when every rank has it."""
+def _two_ranks(other_rows: list[float]):
+    """all_reduce_mean of this rank with another whose loaded rows are other_rows[0]."""
+    return lambda x: (x + np.array([other_rows[0], other_rows[0] ** 2])) / 2
+
+
+def test_tensor_parallel_ranks_take_the_same_rows_at_the_same_step(tmp_path):
+    """With several ranks, a rank that has loaded more rows waits for the others: the rows
+    each rank loaded are compared every POLL_STEPS steps and taken when every rank has the same."""
     path = tmp_path / "p.safetensors"
-    other_ready = [0.0]
-    watch = PriorWatch(path, 16, 4, all_reduce_mean=lambda x: (x + np.array(other_ready)) / 2)
+    other = [0.0]
+    watch = PriorWatch(path, 16, 4, all_reduce_mean=_two_ranks(other))
     save_prior(path, *_prior(), "m", 1.0)
     steps = prior_module.POLL_STEPS
     assert all(watch.poll() is None for _ in range(steps - 1))
-    assert watch.poll() is None  # this rank has it, the other not yet
-    other_ready[0] = 1.0
+    assert watch.poll() is None  # this rank has 16 rows, the other none yet
+    other[0] = 6.0
+    assert all(watch.poll() is None for _ in range(steps))  # the other has 6: still different
+    other[0] = 16.0
     assert all(watch.poll() is None for _ in range(steps - 1))  # only at agreement steps
-    assert watch.poll() is not None
+    assert watch.poll().rows == 16
+
+
+def test_ranks_that_find_different_files_at_start_up_all_watch(tmp_path, monkeypatch):
+    """B2: the file appears between two ranks' looks at start-up. Every rank then starts without
+    it and keeps a watch (the same collectives on every rank), rather than one rank holding the
+    prior and no watch."""
+    from types import SimpleNamespace
+
+    monkeypatch.setenv("VLLM_RECYCLING_CACHE", str(tmp_path))
+    config = SimpleNamespace(model="m", revision=None, get_vocab_size=lambda: 16)
+    path = prior_module.prior_path("m", None, 16, 4)
+    save_prior(path, *_prior(), "m", 1.0)
+    prior, watch = prior_module.find_prior(config, 4, all_reduce_mean=_two_ranks([-1.0]))  # the other: none
+    assert prior is None and watch is not None and watch.taken == 0
+    prior, watch = prior_module.find_prior(config, 4, all_reduce_mean=_two_ranks([16.0]))
+    assert prior.complete and watch is None
+    prior, watch = prior_module.find_prior(config, 4)  # one rank
+    assert prior.complete and watch is None
+
+
+def test_take_prior_takes_a_slice_of_rows():
+    """Rows [start, rows) only: earlier rows are not looked at again, later ones stay unwritten."""
+    vocab, k = 16, 4
+    table, probs = _prior(vocab, k)
+    m = AdjacencyMatrix(vocab, k, scope="overlay", max_requests=1, with_probs=True, overlay_rows=4)
+    assert m.take_prior(Prior(table, probs, 6)) == 6
+    m.table[2] = 0  # as if an earlier row were unwritten again: not refilled from a later slice
+    assert m.take_prior(Prior(table, probs, 10), start=6) == 4
+    assert torch.equal(m.table[6:10], table[6:10]) and not m.table[10:vocab].any() and not m.table[2].any()
+    assert torch.equal(m.fresh[:10], table[:10]) and not m.fresh[10:].any()
+
+
+def test_a_snapshot_saved_before_the_prior_gets_the_priors_rows():
+    """B1: a snapshot saved before the prior arrived has rows nothing wrote (all token 0); at the
+    next start they take the prior's rows, the written ones keep the snapshot's."""
+    vocab, k = 16, 4
+    table, probs = _prior(vocab, k)
+    snapshot = torch.zeros(vocab, k, dtype=torch.int32)
+    snapshot[3] = torch.tensor([5, 6, 7, 8], dtype=torch.int32)
+    snapshot_probs = torch.zeros(vocab, k, dtype=torch.float16)
+    snapshot_probs[3] = 0.25
+    m = AdjacencyMatrix(vocab, k, initial=snapshot, initial_probs=snapshot_probs, prior=(table, probs),
+                        with_probs=True)
+    want = table.clone()
+    want[3] = snapshot[3]
+    assert torch.equal(m.table[:vocab], want)
+    assert float(m.probs[3, 0]) == 0.25 and float(m.probs[4, 0]) == -0.125
+
+
+def test_a_stopped_computation_resumes_from_its_partial_file(tmp_path):
+    """``compute_prior`` from a partial prior keeps its rows and computes the rest; saves of the
+    rows done so far come at most every PARTIAL_SAVE_S."""
+    from types import SimpleNamespace
+
+    from vllm_recycling import warm
+
+    vocab, k = 40, 2
+    asked = []
+
+    def generate(prompts, params, use_tqdm=False):
+        out = []
+        for p in prompts:
+            t = p["prompt_token_ids"][-1]
+            asked.append(t)
+            lp = {(t + 1) % vocab: SimpleNamespace(logprob=-0.1), (t + 2) % vocab: SimpleNamespace(logprob=-2.0)}
+            out.append(SimpleNamespace(outputs=[SimpleNamespace(logprobs=[lp])]))
+        return out
+
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(model_config=SimpleNamespace(get_vocab_size=lambda: vocab)),
+                          get_tokenizer=lambda: SimpleNamespace(chat_template=None), generate=generate)
+    done = torch.zeros(vocab, k, dtype=torch.int32)
+    done[:10] = 7
+    table, probs = warm.compute_prior(llm, k, resume=Prior(done, torch.zeros(vocab, k, dtype=torch.float16), 10))
+    assert asked == list(range(10, vocab))  # the rows already there are not computed again
+    assert (table[:10] == 7).all() and table[10:, 0].tolist() == [(t + 1) % vocab for t in range(10, vocab)]
+    saves = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(warm, "PROMPTS_PER_CALL", 8)
+        mp.setattr(warm, "PARTIAL_SAVE_S", 0.0)
+        warm.compute_prior(llm, k, save=lambda p: saves.append(p.rows))
+    assert saves == [8, 16, 24, 32]  # the last batch is the complete file, saved by the caller
 
 
 def test_a_failed_background_computation_is_logged_and_nothing_else(caplog):

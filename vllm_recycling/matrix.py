@@ -93,7 +93,9 @@ class AdjacencyMatrix:
         """initial: the shared matrix's content (a snapshot), initial_probs its rows'
         confidences when the snapshot holds them (``load_snapshot``); prior: (table [V, k]
         int32, probs [V, k] float16) every other new matrix starts from (``prior.py``), and the
-        shared one too without ``initial``; without either, every entry is token 0."""
+        shared one too: wholly without ``initial``,
+        else in the snapshot's rows that nothing wrote (a snapshot saved before the prior was
+        there); without either, every entry is token 0."""
         if scope not in SCOPES:
             raise ValueError(f"matrix scope {scope!r}: expected one of {', '.join(SCOPES)}")
         if vocab_size < 1 or not 1 <= topk <= vocab_size:
@@ -112,14 +114,19 @@ class AdjacencyMatrix:
         self.fresh = torch.zeros((vocab_size, topk), dtype=torch.int32, device=device)
         self.fresh_probs = torch.zeros((vocab_size, topk), dtype=torch.float16, device=device)
         if prior is not None:  # its probabilities negated: the budget tells its rows apart
-            self.fresh.copy_(_checked(prior[0], vocab_size, topk, "prior"))
-            self.fresh_probs.copy_(-prior[1].to(torch.float16).abs())
-        # The shared matrix's start: the snapshot, else fresh.
-        self.initial = self.fresh.clone()
+            table, probs = prior[0], prior[1]
+            self.fresh.copy_(_checked(table, vocab_size, topk, "prior"))
+            self.fresh_probs.copy_(-probs.to(torch.float16).abs())
+        # The shared matrix's start: the snapshot, its unwritten rows the prior's; else fresh.
+        initial_table = self.fresh.clone()
         start_probs = self.fresh_probs
         if initial is not None:
-            self.initial.copy_(_checked(initial, vocab_size, topk, "initial matrix"))
-            start_probs = snapshot_confidences(self.initial, initial_probs, self.fresh, self.fresh_probs)
+            initial_table.copy_(_checked(initial, vocab_size, topk, "initial matrix"))
+            start_probs = snapshot_confidences(initial_table, initial_probs, self.fresh, self.fresh_probs)
+            if prior is not None:
+                unwritten = (initial_table == 0).all(-1, keepdim=True)
+                initial_table = torch.where(unwritten, self.fresh, initial_table)
+                start_probs = torch.where(unwritten, self.fresh_probs, start_probs)
         has_overlay = scope in ("overlay", "salt")
         self.overlay_rows = overlay_rows if has_overlay else 0
         self.salt_matrices = salt_matrices if scope == "salt" else 0
@@ -127,13 +134,13 @@ class AdjacencyMatrix:
         if has_overlay:
             salts = self.fresh.repeat(self.salt_matrices, 1)
             extra = torch.zeros((slots * overlay_rows + 1, topk), dtype=torch.int32, device=device)
-            self.table = torch.cat([self.initial, salts, extra])
+            self.table = torch.cat([initial_table, salts, extra])
             self.keys = torch.full((slots * overlay_rows + 1,), -1, dtype=torch.int32, device=device)
             # update(): the last row of a step writing each entry, -1 between steps (only the
             # entries a step wrote are reset: no [slots * R] buffer filled per step)
             self._last_writer = torch.full(self.keys.shape, -1, dtype=torch.int64, device=device)
         else:
-            self.table = self.initial.repeat(slots, 1)
+            self.table = initial_table.repeat(slots, 1)
         # The successors' probabilities under the logits that wrote them (the adaptive budget's
         # edge confidence): [rows, k] float16 beside ``table``; 0 for rows nothing wrote, the
         # prior's probabilities negated for rows it filled (calibrated apart, budget.Calibration).
@@ -213,23 +220,27 @@ class AdjacencyMatrix:
         if self.probs is not None:
             self.probs[rows] = self.fresh_probs
 
-    def take_prior(self, prior: tuple[torch.Tensor, torch.Tensor]) -> int:
-        """Take the model's prior (table [V, k] int32, probs [V, k] float16; ``prior.py``) in
-        while serving: every matrix created from now on starts from it, and each existing
-        matrix's rows that nothing wrote yet take its rows (an unwritten row is all token 0,
-        which a written one never is: its k successors are distinct). Rows that traffic or a
-        snapshot wrote keep theirs. Returns how many rows it filled."""
-        self.fresh.copy_(_checked(prior[0], self.vocab_size, self.topk, "prior"))
-        self.fresh_probs.copy_(-prior[1].to(self.fresh_probs.device, torch.float16).abs())
+    def take_prior(self, prior, start: int = 0) -> int:
+        """Take rows [start, prior.rows) of the model's prior (a ``prior.Prior``: the leading
+        rows computed so far) in while serving: every matrix created from now on starts from
+        them, and each existing matrix's rows among them that nothing wrote yet take them (an
+        unwritten row is all token 0, which a written one never is: its k successors are
+        distinct). Rows that traffic or a snapshot wrote keep theirs. Matrix by matrix, a slice
+        of rows at a time: no copy of a whole matrix. Returns how many rows it filled."""
+        table = _checked(prior.table, self.vocab_size, self.topk, "prior")
+        rows = slice(start, prior.rows)
+        self.fresh[rows] = table[rows].to(self.fresh.device)
+        self.fresh_probs[rows] = -prior.probs[rows].to(self.fresh_probs.device, torch.float16).abs()
         count = self.table.shape[0] // self.vocab_size if self.keys is None else 1 + self.salt_matrices
-        shape = (count, self.vocab_size, self.topk)
-        tables = self.table[: count * self.vocab_size].view(shape)
-        unwritten = (tables == 0).all(-1, keepdim=True)  # [matrices, V, 1]
-        tables.copy_(torch.where(unwritten, self.fresh, tables))
-        if self.probs is not None:
-            probs = self.probs[: count * self.vocab_size].view(shape)
-            probs.copy_(torch.where(unwritten, self.fresh_probs, probs))
-        return int(unwritten.sum())
+        filled = 0
+        for index in range(count):
+            part = slice(index * self.vocab_size + start, index * self.vocab_size + prior.rows)
+            unwritten = (self.table[part] == 0).all(-1, keepdim=True)
+            self.table[part] = torch.where(unwritten, self.fresh[rows], self.table[part])
+            if self.probs is not None:
+                self.probs[part] = torch.where(unwritten, self.fresh_probs[rows], self.probs[part])
+            filled += int(unwritten.sum())
+        return filled
 
     def matrix_of(self, request_id: str) -> int:
         """salt scope: the index of the matrix a request reads and writes (0: the shared one,

@@ -10,8 +10,15 @@ its vocabulary, k and the context (``prior_key``). Files are written atomically;
 corrupt, or made for another model, vocabulary or k, is never loaded (``load_prior`` raises,
 and the front end computes it again).
 
-A worker whose prior is not computed yet serves at once with empty rows and watches for the
-file (``PriorWatch``); when it loads, the matrix takes it in between two steps
+The computation goes through the vocabulary in id order, which for BPE and SentencePiece
+vocabularies is the tokenizer's merge (or score) order and so follows how common a token was in
+its training text: the rows most text uses come first (benchmarks/results/prior_order.md
+measures it). It writes the file as it goes, at most every ``warm.PARTIAL_SAVE_S``, with the
+number of leading rows done (``Prior.rows``); a partial file is never taken for a finished one,
+and a later computation resumes from it.
+
+A worker whose prior is not complete yet serves at once with the rows there are and watches the
+file (``PriorWatch``); each time more rows are there, the matrix takes them in between two steps
 (``AdjacencyMatrix.take_prior``): rows that traffic wrote keep theirs, the others and every
 matrix created afterwards start from the prior.
 """
@@ -23,6 +30,7 @@ import json
 import os
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -44,6 +52,20 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 
 class PriorError(ValueError):
     """A prior file that cannot be used: unreadable, corrupt, or for another model."""
+
+
+@dataclass(frozen=True)
+class Prior:
+    """A model's prior: table [V, k] int32 and probs [V, k] float16, of which the first ``rows``
+    token ids are computed (the rest all 0: unwritten rows)."""
+
+    table: torch.Tensor
+    probs: torch.Tensor
+    rows: int
+
+    @property
+    def complete(self) -> bool:
+        return self.rows == self.table.shape[0]
 
 
 def cache_root() -> Path:
@@ -91,15 +113,18 @@ def prior_path(model: str, revision: str | None, vocab_size: int, topk: int) -> 
     return cache_root() / "priors" / f"{prior_key(model, revision, vocab_size, topk)}.safetensors"
 
 
-def save_prior(path: Path, table: torch.Tensor, probs: torch.Tensor, model: str, seconds: float) -> None:
-    """Write the prior atomically (a temporary file in the same folder, fsync, rename)."""
+def save_prior(path: Path, table: torch.Tensor, probs: torch.Tensor, model: str, seconds: float,
+               rows: int | None = None) -> None:
+    """Write the prior atomically (a temporary file in the same folder, fsync, rename); rows: the
+    leading token ids computed so far (None: all of them)."""
     from safetensors.torch import save_file
 
     path.parent.mkdir(parents=True, exist_ok=True)
+    rows = table.shape[0] if rows is None else rows
     meta = {
         "format": PRIOR_FORMAT, "version": PRIOR_VERSION, "model": model, "context": CONTEXT,
         "vocab_size": str(table.shape[0]), "topk": str(table.shape[1]),
-        "compute_seconds": f"{seconds:.1f}",
+        "compute_seconds": f"{seconds:.1f}", "rows": str(rows),
     }
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
@@ -115,9 +140,10 @@ def save_prior(path: Path, table: torch.Tensor, probs: torch.Tensor, model: str,
             os.unlink(tmp)
 
 
-def load_prior(path: Path, vocab_size: int, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(table [V, k] int32, probs [V, k] float16) from ``path``; ``PriorError`` naming what is
-    wrong when the file is unreadable, corrupt or made for another vocabulary or k."""
+def load_prior(path: Path, vocab_size: int, topk: int) -> Prior:
+    """The prior in ``path``, complete or partial (``Prior.rows``; files written before partial
+    saves existed are complete); ``PriorError`` naming what is wrong when the file is
+    unreadable, corrupt or made for another vocabulary or k."""
     from safetensors import SafetensorError, safe_open
 
     try:
@@ -138,65 +164,99 @@ def load_prior(path: Path, vocab_size: int, topk: int) -> tuple[torch.Tensor, to
         raise PriorError(f"prior {path}: token ids outside the vocabulary")
     if not bool(torch.isfinite(probs).all()) or float(probs.min()) < 0 or float(probs.max()) > 1:
         raise PriorError(f"prior {path}: probabilities outside [0, 1]")
-    return table, probs
+    try:
+        rows = int(meta.get("rows", vocab_size))
+    except ValueError:
+        rows = -1
+    if not 0 <= rows <= vocab_size:
+        raise PriorError(f"prior {path}: {meta.get('rows')!r} rows computed, of {vocab_size}")
+    return Prior(table, probs, rows)
+
+
+def load_complete_prior(path: Path, vocab_size: int, topk: int) -> Prior:
+    """``load_prior``, and ``PriorError`` for a partial one."""
+    prior = load_prior(path, vocab_size, topk)
+    if not prior.complete:
+        raise PriorError(f"prior {path}: {prior.rows} of {vocab_size} rows computed so far")
+    return prior
 
 
 class PriorWatch:
-    """A worker's wait for its model's prior (``matrix_init: "model"``): ``poll`` once per step
-    returns (table, probs) at the step the matrix should take it in, else None.
+    """A worker's wait for the rest of its model's prior (``matrix_init: "model"``): ``poll``
+    once per step returns the prior at a step where the matrix should take more of its rows in,
+    else None; ``taken`` says how many leading rows the matrix holds (``took`` records it).
 
-    path: the prior file; all_reduce_mean: averages a small host array over the
-    tensor-parallel ranks (None in a single process). In a single process the file is looked
-    at every ``POLL_S`` seconds; with several ranks every ``POLL_STEPS`` steps, and the prior
-    is taken in only when every rank has loaded it, so that the ranks' matrices (and so the
-    budget's choices) stay the same."""
+    path: the prior file; taken: the rows taken in at start-up; all_reduce_mean: averages a
+    small host array over the tensor-parallel ranks (None in a single process). In a single
+    process the file is looked at every ``POLL_S`` seconds; with several ranks every
+    ``POLL_STEPS`` steps, and rows are taken in only when every rank has loaded the same ones,
+    so that the ranks' matrices (and so the budget's choices) stay the same."""
 
-    def __init__(self, path: Path, vocab_size: int, topk: int,
+    def __init__(self, path: Path, vocab_size: int, topk: int, taken: int = 0,
                  all_reduce_mean: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
         self.path, self.vocab_size, self.topk = path, vocab_size, topk
         self.all_reduce_mean = all_reduce_mean
-        self.loaded: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.taken = taken
+        self.loaded: Prior | None = None
         self._seen: tuple[int, int] | None = None  # (mtime, size) of the file last tried
         self._steps = 0
         self._next_look = 0.0
 
-    def poll(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+    @property
+    def done(self) -> bool:
+        return self.taken == self.vocab_size
+
+    def took(self, prior: Prior) -> None:
+        self.taken = prior.rows
+
+    def poll(self) -> Prior | None:
         self._steps += 1
         if self.all_reduce_mean is None:
             now = time.monotonic()
             if now < self._next_look:
                 return None
             self._next_look = now + POLL_S
-            return self._look()
+            self._look()
+            return self.loaded if self.loaded is not None and self.loaded.rows > self.taken else None
         if self._steps % POLL_STEPS:
             return None
         self._look()
-        ready = self.all_reduce_mean(np.array([1.0 if self.loaded is not None else 0.0]))
-        return self.loaded if float(ready[0]) >= 1.0 else None
-
-    def _look(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if self.loaded is None:
-            try:
-                stat = self.path.stat()
-            except OSError:
-                return None
-            seen = (stat.st_mtime_ns, stat.st_size)
-            if seen != self._seen:  # a file not tried yet (an old corrupt one is replaced)
-                self._seen = seen
-                try:
-                    self.loaded = load_prior(self.path, self.vocab_size, self.topk)
-                except PriorError:
-                    pass
+        rows = float(self.loaded.rows if self.loaded is not None else self.taken)
+        mean, square = self.all_reduce_mean(np.array([rows, rows * rows]))
+        if abs(float(square) - float(mean) ** 2) > 0.5 or rows <= self.taken:  # ranks differ, or nothing new
+            return None
         return self.loaded
 
+    def _look(self) -> None:
+        try:
+            stat = self.path.stat()
+        except OSError:
+            return
+        seen = (stat.st_mtime_ns, stat.st_size)
+        if seen != self._seen:  # a file not tried yet (more rows, or an old corrupt one replaced)
+            self._seen = seen
+            try:
+                self.loaded = load_prior(self.path, self.vocab_size, self.topk)
+            except PriorError:
+                pass
 
-def find_prior(model_config, topk: int, all_reduce_mean=None):
-    """A worker's start for ``matrix_init: "model"``: ``(prior, None)`` with the cached prior
-    of a vLLM ``ModelConfig``'s model when it loads, else ``(None, PriorWatch)`` waiting for
-    it (the front end started its computation, ``warm.start_prior``)."""
+
+def find_prior(model_config, topk: int, all_reduce_mean=None) -> tuple[Prior | None, PriorWatch | None]:
+    """A worker's start for ``matrix_init: "model"``: the cached prior of a vLLM
+    ``ModelConfig``'s model as far as it is computed (None without a file that loads), and a
+    ``PriorWatch`` for the rest (None when it is complete; the front end started its
+    computation otherwise, ``warm.start_prior``)."""
     vocab_size = model_config.get_vocab_size()
     path = prior_path(str(model_config.model), model_config.revision, vocab_size, topk)
     try:
-        return load_prior(path, vocab_size, topk), None
+        prior = load_prior(path, vocab_size, topk)
     except PriorError:
-        return None, PriorWatch(path, vocab_size, topk, all_reduce_mean)
+        prior = None
+    if all_reduce_mean is not None:  # every rank starts from the rows all of them loaded
+        rows = float(prior.rows if prior is not None else -1)
+        mean, square = all_reduce_mean(np.array([rows, rows * rows]))
+        if abs(float(square) - float(mean) ** 2) > 0.5:
+            prior = None
+    if prior is not None and prior.complete:
+        return prior, None
+    return prior, PriorWatch(path, vocab_size, topk, 0 if prior is None else prior.rows, all_reduce_mean)

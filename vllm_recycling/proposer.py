@@ -74,7 +74,7 @@ class RecyclingProposer:
             overlay_rows=self.config.overlay_rows,
             with_probs=auto,
             salt_matrices=self.config.salt_matrices,
-            prior=prior,
+            prior=None if prior is None else (prior.table, prior.probs),
             initial_probs=initial_probs,
         )
         self.slots = MatrixSlots(self.matrix, self.config, max_requests)
@@ -277,14 +277,19 @@ class RecyclingProposer:
         return drafts
 
     def _take_prior(self) -> None:
-        """Between two steps: the model's prior, once its computation has finished (every rank
-        at the same step), into the matrix (``AdjacencyMatrix.take_prior``)."""
-        prior = self.prior_watch.poll()
+        """Between two steps: the rows of the model's prior computed since the last look (every
+        rank at the same step), into the matrix (``AdjacencyMatrix.take_prior``)."""
+        watch = self.prior_watch
+        prior = watch.poll()
         if prior is None:
             return
-        filled = self.matrix.take_prior(prior)
-        self.prior_watch = None
-        logger.info("recycling: initial matrix taken in (%d rows filled; rows learnt from traffic kept)", filled)
+        filled = self.matrix.take_prior(prior, watch.taken)
+        watch.took(prior)
+        if watch.done:
+            self.prior_watch = None
+        logger.info("recycling: initial matrix taken in up to token %d of %d (%d rows filled; rows learnt "
+                    "from traffic kept)%s", prior.rows, watch.vocab_size, filled, "" if watch.done else
+                    "; the rest follows as it is computed")
 
     def _every_node(self, drafts: list[list[int]], active: list[int], roots: torch.Tensor,
                     slots: torch.Tensor | None, context: Context | None) -> list[list[int]]:

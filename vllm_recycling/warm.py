@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from vllm_recycling import LOGGER_NAME
-from vllm_recycling.prior import CONTEXT, PriorError, load_prior, prior_path, save_prior
+from vllm_recycling.prior import CONTEXT, Prior, PriorError, load_complete_prior, load_prior, prior_path, save_prior
 
 # Engine arguments the prior's engine takes from the serving engine's (the model and how it is
 # loaded); the rest are the prior's own: a short context, eager, no speculation.
@@ -50,6 +50,9 @@ PRIOR_KV_CACHE_BYTES = 1 << 30
 PRIOR_MAX_MODEL_LEN = 1024  # the context and the token
 PROMPTS_PER_CALL = 512  # progress (and the parent check) between calls: 1-4 s each on 2 cores
 PROGRESS_EVERY_S = 10.0  # the background computation's log lines, at most this far apart
+# The rows computed so far are written at most this often: a server takes them in as they come
+# (prior.PriorWatch), and a computation stopped midway resumes from them.
+PARTIAL_SAVE_S = 30.0
 NICE = 10  # the background computation yields the CPU to the server's steps
 
 
@@ -77,13 +80,16 @@ def _ids(encoded) -> list[int]:
 
 
 def compute_prior(
-    llm, topk: int, progress: Callable[[int, int], None] | None = None
+    llm, topk: int, progress: Callable[[int, int], None] | None = None, resume: Prior | None = None,
+    save: Callable[[Prior], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(table [V, k] int32, probs [V, k] float16) from an offline ``vllm.LLM`` (prefix caching
     on, KV blocks of ``PRIOR_BLOCK``): row t holds the k most likely next tokens after
     ``context_ids + [t]`` (lower id first among equal log-probabilities, as the matrix's top-k
-    ranks them) and their probabilities. progress(done, total) is called before the first batch
-    (done 0) and after each batch."""
+    ranks them) and their probabilities. Token ids in order (``prior.py``: the common ones
+    first), from ``resume.rows`` on when resuming a partial prior (its rows kept). save(prior)
+    gets the rows done so far at most every ``PARTIAL_SAVE_S``. progress(done, total) is called
+    before the first batch and after each batch."""
     from vllm import SamplingParams
 
     vocab = llm.llm_engine.model_config.get_vocab_size()
@@ -93,9 +99,14 @@ def compute_prior(
         llm.generate([{"prompt_token_ids": prefix}], params, use_tqdm=False)
     table = np.zeros((vocab, topk), dtype=np.int32)
     probs = np.zeros((vocab, topk), dtype=np.float16)
+    first = 0
+    if resume is not None:
+        first = resume.rows
+        table[:first], probs[:first] = resume.table[:first].numpy(), resume.probs[:first].numpy()
     if progress is not None:
-        progress(0, vocab)
-    for start in range(0, vocab, PROMPTS_PER_CALL):
+        progress(first, vocab)  # the engine is up: the rows to compute are [first, vocab)
+    saved = time.monotonic()
+    for start in range(first, vocab, PROMPTS_PER_CALL):
         tokens = range(start, min(start + PROMPTS_PER_CALL, vocab))
         prompts = [{"prompt_token_ids": prefix + [t]} for t in tokens]
         for t, out in zip(tokens, llm.generate(prompts, params, use_tqdm=False)):
@@ -104,14 +115,19 @@ def compute_prior(
             probs[t, : len(ranked)] = [np.exp(lp.logprob) for _, lp in ranked]
         if progress is not None:
             progress(tokens.stop, vocab)
+        if save is not None and tokens.stop < vocab and time.monotonic() - saved >= PARTIAL_SAVE_S:
+            save(Prior(torch.from_numpy(table), torch.from_numpy(probs), tokens.stop))
+            saved = time.monotonic()
     return torch.from_numpy(table), torch.from_numpy(probs)
 
 
 def warm(
     engine_kwargs: dict[str, Any], topk: int, path: Path,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Callable[[int, int], None] | None = None, resume: Prior | None = None,
 ) -> float:
-    """Compute the prior with a fresh offline engine and write it to ``path``; the seconds taken."""
+    """Compute the prior with a fresh offline engine and write it to ``path`` (the rows done so
+    far as it goes, ``PARTIAL_SAVE_S``; from ``resume``'s rows on when given); the seconds
+    taken."""
     from vllm import LLM
 
     started = time.perf_counter()
@@ -123,9 +139,14 @@ def warm(
     llm = LLM(**kwargs, enforce_eager=True, max_model_len=PRIOR_MAX_MODEL_LEN,
               enable_prefix_caching=True, block_size=PRIOR_BLOCK, max_num_seqs=PRIOR_MAX_SEQS,
               max_num_batched_tokens=PRIOR_MAX_SEQS * 8, kv_cache_memory_bytes=PRIOR_KV_CACHE_BYTES)
-    table, probs = compute_prior(llm, topk, progress)
+    model = str(kwargs["model"])
+
+    def save(partial: Prior) -> None:
+        save_prior(path, partial.table, partial.probs, model, time.perf_counter() - started, partial.rows)
+
+    table, probs = compute_prior(llm, topk, progress, resume, save)
     seconds = time.perf_counter() - started
-    save_prior(path, table, probs, str(kwargs["model"]), seconds)
+    save_prior(path, table, probs, model, seconds)
     return seconds
 
 
@@ -161,7 +182,7 @@ def ensure_prior(engine_args, model_config, topk: int, progress: str = "log") ->
             f"{model_config.model} failed (exit {result.returncode}, see the log above); "
             "matrix_init='empty' starts without it"
         )
-    load_prior(path, model_config.get_vocab_size(), topk)
+    load_complete_prior(path, model_config.get_vocab_size(), topk)
     return path
 
 
@@ -222,12 +243,13 @@ def _child_env() -> dict[str, str]:
 
 
 def _loads(path: Path, vocab_size: int, topk: int, logger) -> bool:
+    """Whether the complete prior is in ``path``; a partial one is resumed, a bad one replaced."""
     try:
-        load_prior(path, vocab_size, topk)
+        load_complete_prior(path, vocab_size, topk)
         return True
     except PriorError as e:
         if path.exists():
-            logger.warning("recycling: %s; computing it again", e)
+            logger.warning("recycling: %s; computing %s", e, "the rest" if "so far" in str(e) else "it again")
         return False
 
 
@@ -262,7 +284,7 @@ class _Progress:
         self.mode, self.parent, self.model = mode, parent, model
         self.started = self.last = time.monotonic()
         self.engine_started: float | None = None
-        self.done = self.total = 0
+        self.done = self.total = self.base = 0  # base: rows a resumed computation started with
         self.bar = None
         self.lock = threading.Lock()
         self.log = logging.getLogger("vllm_recycling.warm")
@@ -284,10 +306,12 @@ class _Progress:
                 self.engine_started = self.last = now
                 self.log.info("recycling: initial matrix of %s: starting an engine to compute it", self.model)
                 return
-            if not done:  # the engine is up: time left is counted from here
-                self.started, self.total = now, total
-                self.log.info("recycling: initial matrix of %s: the engine is up in %.0f s; %d rows to compute",
-                              self.model, now - (self.engine_started or now), total)
+            if not self.total:  # the engine is up: time left is counted from here
+                self.started, self.total, self.base = now, total, done
+                self.done = done
+                self.log.info("recycling: initial matrix of %s: the engine is up in %.0f s; %d rows to compute%s",
+                              self.model, now - (self.engine_started or now), total - done,
+                              f" (resuming after the first {done})" if done else "")
                 self.last = now
                 return
             self.done, self.total = done, total
@@ -295,7 +319,8 @@ class _Progress:
                 if self.bar is None:
                     from tqdm import tqdm
 
-                    self.bar = tqdm(total=total, unit="tok", desc="initial matrix", file=sys.stderr)
+                    self.bar = tqdm(total=total, initial=self.base, unit="tok", desc="initial matrix",
+                                    file=sys.stderr)
                 self.bar.update(done - self.bar.n)
                 self.last = now
             elif now - self.last >= PROGRESS_EVERY_S or done == total:
@@ -311,11 +336,11 @@ class _Progress:
             self.log.info("recycling: initial matrix of %s: the engine is starting (%.0f s)", self.model,
                           now - self.engine_started)
             return
-        if not self.done:
-            self.log.info("recycling: initial matrix of %s: 0 of %d tokens (the first batch is running, %.0f s)",
-                          self.model, self.total, now - self.started)
+        if self.done <= self.base:
+            self.log.info("recycling: initial matrix of %s: %d of %d tokens (the first batch is running, %.0f s)",
+                          self.model, self.done, self.total, now - self.started)
             return
-        left = (now - self.started) * (self.total - self.done) / self.done
+        left = (now - self.started) * (self.total - self.done) / (self.done - self.base)
         self.log.info("recycling: initial matrix of %s: %d%% (%d of %d tokens), about %.0f s left",
                       self.model, 100 * self.done // self.total, self.done, self.total, left)
 
@@ -344,14 +369,16 @@ def main(argv=None) -> int:
     kwargs, path = json.loads(args.engine_args), Path(args.out)
     progress = _Progress(args.progress, args.parent, str(kwargs["model"]))
     with _locked(path.with_name(path.name + ".lock")):  # another process computing it: wait
+        resume = None
         if path.exists():
             try:
-                load_prior(path, *_shape(path))
-                print(f"initial matrix already computed: {path}", flush=True)
-                return 0
+                resume = load_prior(path, *_shape(path))
             except PriorError:
                 pass  # corrupt or mismatched: computed again
-        seconds = warm(kwargs, args.topk, path, progress)
+            if resume is not None and resume.complete:
+                print(f"initial matrix already computed: {path}", flush=True)
+                return 0
+        seconds = warm(kwargs, args.topk, path, progress, resume)
     if progress.bar is not None:
         progress.bar.close()
     progress.log.info("recycling: initial matrix of %s computed in %.1f s: %s", kwargs["model"], seconds, path)

@@ -179,6 +179,18 @@ def greedy(max_tokens: int = TINY_TOKENS, **kwargs):
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
 
 
+def min_tokens_params(greedy_outputs) -> list:
+    """Per greedy answer: stop at the token it first emits at position j >= 4, with min_tokens
+    j + 8: without speculation that token is masked at j (and wherever it comes again before
+    j + 8) and stops the answer at its first occurrence from j + 8 on."""
+    params = []
+    for b in greedy_outputs:
+        ref = list(b.outputs[0].token_ids)
+        j = next(i for i in range(4, len(ref)) if ref[i] not in ref[:i])
+        params.append(greedy(stop_token_ids=[ref[j]], min_tokens=j + 8))
+    return params
+
+
 def sampled_params(seeds) -> list:
     """One request per seed (None: the engine's generator)."""
     from vllm import SamplingParams
@@ -193,6 +205,8 @@ def run_tiny_suite(llm) -> dict:
     - ``penalty``: the same with repetition and frequency penalties (the draft rows' history);
     - ``stop``: stop strings taken from the middle of each plain greedy text (no-speculation
       engine) and the (text, finish reason) of each answer;
+    - ``min_tokens``: a stop token with ``min_tokens`` past its first occurrence
+      (``min_tokens_params``), twice (the second with a matrix the first taught);
     - ``sampled``: SAMPLED_REQUESTS draws of the first tokens after one prompt;
     - ``seeded``: the seeded requests in batches of 8 (``run_seeded``), ``seeded_one`` the
       first four alone (batch 1), ``seeded_logprobs`` the first eight's top-2 logprobs.
@@ -207,6 +221,8 @@ def run_tiny_suite(llm) -> dict:
     out["stop_params"] = stops
     out["stop"] = [(o.outputs[0].text, o.outputs[0].finish_reason)
                    for o in llm.generate(TINY_PROMPTS, stops, use_tqdm=False)]
+    out["min_tokens"] = [token_ids(llm.generate(TINY_PROMPTS, min_tokens_params(out["greedy"]), use_tqdm=False))
+                         for _ in range(2)]
     prompt = [TINY_PROMPTS[0]] * SAMPLED_REQUESTS
     answers = llm.generate(prompt, sampled_params([None] * SAMPLED_REQUESTS), use_tqdm=False)
     out["sampled"] = [tuple(o.outputs[0].token_ids) for o in answers]

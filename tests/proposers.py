@@ -56,7 +56,9 @@ def observe(proposer, req_ids, live_req_ids, tokens, logits, num_draft_tokens):
     every request greedy)."""
     from types import SimpleNamespace
 
-    greedy = SimpleNamespace(all_greedy=True, no_penalties=True, bad_words_token_ids={}, logitsprocs=SimpleNamespace(non_argmax_invariant=[]))
+    greedy = SimpleNamespace(all_greedy=True, no_penalties=True, bad_words_token_ids={},
+                             logitsprocs=SimpleNamespace(non_argmax_invariant=[]), allowed_token_ids_mask=None,
+                             max_num_logprobs=None, thinking_budget_state_holder=None)
     return proposer.verify(
         req_ids, live_req_ids, tokens, logits, SimpleNamespace(num_draft_tokens=num_draft_tokens),
         greedy, None, lambda: [],

@@ -137,6 +137,16 @@ def test_stop_tokens_and_max_tokens_inside_an_accepted_path(tiny_base, tiny_recy
     assert token_ids(tiny_recycling.generate(TINY_PROMPTS, params, use_tqdm=False)) == expected
 
 
+def test_min_tokens_masks_stops_where_it_does_without_speculation(tiny_base, recycled):
+    """Review A1: a greedy request with ``min_tokens`` and a stop token: without speculation the
+    token is masked before min_tokens and stops the answer after. A path accepted across
+    min_tokens must not mask it there (vLLM's rejection sampler masks the bonus row whatever its
+    position), nor emit it before: steps of such requests are verified row by row, each row
+    masked by its own position."""
+    assert recycled["min_tokens"] == tiny_base["min_tokens"]
+    assert all(len(t) >= 12 for t in tiny_base["min_tokens"][0])  # none stopped before min_tokens
+
+
 def test_aborted_request_leaves_the_others_exact(tiny_base, tiny_recycling):
     eng = tiny_recycling.llm_engine
     for i, p in enumerate(TINY_PROMPTS[:6]):

@@ -50,7 +50,7 @@ def _worker_state(worker):
     impls = sorted({type(layer.impl).__name__ for layer in context.values() if hasattr(layer, "impl")})
     return {
         "impls": impls,
-        "attention": runner.drafter.verifier.attention,
+        "kv_moves": runner.drafter.verifier.move_kv.__qualname__,
         "triton_kernels": triton_usable(torch.zeros(1)),  # not the PyTorch references
         "subtrees": getattr(runner.drafter, "_test_subtrees", None),
     }
@@ -125,7 +125,7 @@ def test_gpu_path_greedy_identical_batch_1_and_4(tiny_model, tiny_base, gpu_path
         counters = spec_counters(llm)
         (state,) = llm.collective_rpc(_worker_state)
     subtrees = state.pop("subtrees")
-    assert state == {"impls": ["TritonAttentionImpl"], "attention": "triton", "triton_kernels": True}
+    assert state == {"impls": ["TritonAttentionImpl"], "kv_moves": "move_all", "triton_kernels": True}
     if auto:  # tree requests, some with subtrees that are not the template's first nodes
         assert subtrees[0] > 0 and subtrees[1] > 0, subtrees
     base = copy.deepcopy(tiny_base["greedy"][:4])

@@ -30,13 +30,15 @@ def verify_tree_step(device: torch.device, kv_caches: list, penalties: bool):
     from vllm.v1.sample.sampler import Sampler
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
+    from vllm_recycling import triton_path
+    from vllm_recycling.cpu_attention import PagedKV
     from vllm_recycling.matrix import AdjacencyMatrix
     from vllm_recycling.node_sampler import NodeSampler, samples_rows
     from vllm_recycling.verifier import TreeVerifier, verify_sampled
 
     # at start-up, and when the requests join the batch (host bookkeeping)
     verifier = TreeVerifier(compile_tree(PATHS, topk=2), device)
-    verifier.attention = "triton" if device.type == "cuda" else "cpu"
+    verifier.move_kv = triton_path.move_all if device.type == "cuda" else PagedKV().move
     node_sampler = NodeSampler(Sampler())
     matrix = AdjacencyMatrix(10, 2, scope="overlay", max_requests=3, device=device, overlay_rows=16,
                              with_probs=True)

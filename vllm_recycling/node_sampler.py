@@ -148,15 +148,34 @@ def samples_rows(sampling) -> bool:
     logit bias (vLLM's rejection sampler, which verifies greedy steps, applies only min-tokens
     to the draft rows, v1/sample/rejection_sampler.py:335-340), penalties or bad words (their
     history on a greedy path would be known only after the forward, on the device: row by row
-    every node's history is its scheduled path, known on the host beforehand)."""
-    from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor
+    every node's history is its scheduled path, known on the host beforehand), or a request is
+    still short of its ``min_tokens`` (the rejection sampler masks stop tokens on its bonus
+    row whatever that row's position, 149-160, where a plain step masks them only before
+    ``min_tokens``: row by row each row is masked by its own position)."""
+    from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinTokensLogitsProcessor
 
     return (
         not sampling.all_greedy
         or not sampling.no_penalties
         or bool(sampling.bad_words_token_ids)
-        or any(isinstance(p, LogitBiasLogitsProcessor) and p.biases
+        or any((isinstance(p, LogitBiasLogitsProcessor) and p.biases)
+               or (isinstance(p, MinTokensLogitsProcessor) and p.min_toks)
                for p in sampling.logitsprocs.non_argmax_invariant)
+    )
+
+
+def plain_greedy(sampling) -> bool:
+    """Whether every row of a step with drafts emits its logits' argmax, as a plain greedy step
+    does (v1/sample/sampler.py: no logits processor, mask or penalty changes it): nothing
+    ``samples_rows`` verifies row by row, no allowed-token mask, no logprobs asked for, no
+    thinking budget. Such a step is verified from the argmax the matrix update computes."""
+    holder = sampling.thinking_budget_state_holder
+    return (
+        not samples_rows(sampling)
+        and sampling.allowed_token_ids_mask is None
+        and sampling.max_num_logprobs is None
+        and not getattr(sampling, "logprob_token_ids", None)
+        and (holder is None or not holder.has_tracked_requests())
     )
 
 

@@ -40,8 +40,8 @@ from vllm_recycling.support import TreesUnsupported
 from vllm_recycling.step import ACTIVE_TREE, NO_PROPOSAL, Proposal, StepPlan, StepRecord, Verification
 from vllm_recycling.transfer import StagedBuffer, to_device
 from vllm_recycling.tree import hybrid_tree
-from vllm_recycling.node_sampler import NO_STATES, NodeSampler, samples_rows
-from vllm_recycling.verifier import TreeVerifier, verify_sampled
+from vllm_recycling.node_sampler import NO_STATES, NodeSampler, plain_greedy, samples_rows
+from vllm_recycling.verifier import TreeVerifier, verify_greedy, verify_sampled
 
 _NO_NODES = np.zeros(0, dtype=np.int64)
 logger = init_logger(LOGGER_NAME)
@@ -186,8 +186,10 @@ class RecyclingProposer:
         rejection_sampler: Callable,
         kv_caches: Callable[[], list[torch.Tensor]],
     ):
-        """Update the matrix from every logits row; for a step with drafts and a sampled
-        request, or a tree step, return its ``SamplerOutput`` (None otherwise: vLLM samples).
+        """Update the matrix from every logits row; for a step with drafts, or a tree step,
+        return its ``SamplerOutput`` (None otherwise: vLLM samples): where every row emits its
+        argmax (``plain_greedy``) from the argmax the update computed, with a sampled request
+        (penalties, ...) row by row, other greedy tree steps through vLLM's rejection sampler.
 
         tokens [T] int (the token fed at each logits row); logits [T, V] (vLLM's
         ``[sum(N) + B, V]``: per request, in batch order, the root row then one row per draft);
@@ -197,12 +199,18 @@ class RecyclingProposer:
         batch = self.batch = list(req_ids)
         rows = np.asarray(spec_decode_metadata.num_draft_tokens, dtype=np.int64) + 1
         self.slots.assign(batch, set(live_req_ids))
-        self.matrix.update(tokens[:, None], logits, self.slots.of_rows(batch, rows))
+        argmax = self.matrix.update(tokens[:, None], logits, self.slots.of_rows(batch, rows))
         attention_seconds = ACTIVE_TREE.clear()
         record = self.record
         tree = None if record is None or record.plan is None else record.plan.tree
         started = time.perf_counter()
-        if any(spec_decode_metadata.num_draft_tokens) and samples_rows(sampling_metadata):
+        drafted = any(spec_decode_metadata.num_draft_tokens)
+        if drafted and plain_greedy(sampling_metadata):
+            output, path = verify_greedy(tree, argmax, tokens, spec_decode_metadata.num_draft_tokens)
+            if tree is not None:
+                self.verifier.move_accepted(tree, path, record.plan.slot_mapping, kv_caches())
+            generators = NO_STATES
+        elif drafted and samples_rows(sampling_metadata):
             if self._node_sampler is None:
                 self._node_sampler = NodeSampler(rejection_sampler.sampler)
             output, path, generators = verify_sampled(

@@ -105,6 +105,20 @@ class TreeVerifier:
         self.move_kv(kv_caches, *compaction(tree, path, slot_mapping))
 
 
+def verify_greedy(tree: TreeStep | None, argmax: torch.Tensor, tokens: torch.Tensor, num_draft_tokens):
+    """A step where every row emits its argmax (``node_sampler.plain_greedy``), trees and
+    chains alike: each request's tree walked by the argmax of its rows (``paths.walk_sampled``),
+    which the matrix update computed, so no row is read again. Returns (vLLM's ``SamplerOutput``
+    in chain format; each tree request's accepted path [R, D] or None without trees).
+    argmax [T] int, tokens [T]: the step's rows; num_draft_tokens [B]: each request's drafts."""
+    from vllm.v1.outputs import SamplerOutput
+
+    rows = StepRowsOnDevice.of(StepRows.build(num_draft_tokens, tree), argmax.device)
+    accepted, output = walk_sampled(rows, tokens, argmax)
+    path = None if tree is None else tree_paths(tree, accepted, rows.start[tree.req_index])
+    return SamplerOutput(sampled_token_ids=output, logprobs_tensors=None), path
+
+
 def verify_sampled(node_sampler, tree: TreeStep | None, logits: torch.Tensor, tokens: torch.Tensor,
                    num_draft_tokens, sampling_metadata):
     """A step with a sampled request, trees (``tree``) and chains alike: every row sampled as

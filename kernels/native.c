@@ -2,7 +2,7 @@
  * written into the adjacency matrix, in one C call (see native.py for the rules and
  * how this is built; topk_update.py's reference defines the results).
  *
- * Per logits row t (fp32, unit stride, rows ld apart):
+ * Per logits row t (fp32 or bfloat16, unit stride, rows ld elements apart):
  *   pass 1: a running top-k of the row, scanned in ascending token id in blocks of BLOCK; a
  *           block is looked at element by element only when its maximum (vector max over
  *           LANES-wide loads) beats the list's worst entry (strictly: a later id with an equal
@@ -30,9 +30,27 @@ static int worst_of(const float *vals, const int32_t *ids, int k) {
     return w;
 }
 
-static void row_topk(const float *x, int64_t vocab, int k, float *vals, int32_t *ids) {
+/* Element j of a logits row of fp32 (bf16 = 0) or bfloat16 (bf16 = 1) values, and LANES of them. */
+static inline float elem(const void *x, int64_t j, int bf16) {
+    if (!bf16) return ((const float *)x)[j];
+    uint32_t u = (uint32_t)((const uint16_t *)x)[j] << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline vf elems(const void *x, int64_t j, int bf16) {
+    if (!bf16) return load((const float *)x + j);
+    typedef uint16_t vh __attribute__((vector_size(LANES * 2)));
+    typedef uint32_t vu __attribute__((vector_size(LANES * 4)));
+    vh h;
+    memcpy(&h, (const uint16_t *)x + j, sizeof h);
+    return (vf)(__builtin_convertvector(h, vu) << 16);
+}
+
+static void row_topk(const void *x, int bf16, int64_t vocab, int k, float *vals, int32_t *ids) {
     for (int i = 0; i < k; i++) {
-        vals[i] = x[i];
+        vals[i] = elem(x, i, bf16);
         ids[i] = i;
     }
     int w = worst_of(vals, ids, k);
@@ -41,8 +59,8 @@ static void row_topk(const float *x, int64_t vocab, int k, float *vals, int32_t 
         int64_t end = j + BLOCK - j % BLOCK;
         if (end > vocab) end = vocab;
         if (j % BLOCK == 0 && end - j == BLOCK) { /* a whole block: one vector max first */
-            vf m = load(x + j);
-            for (int64_t l = LANES; l < BLOCK; l += LANES) m = vmax(m, load(x + j + l));
+            vf m = elems(x, j, bf16);
+            for (int64_t l = LANES; l < BLOCK; l += LANES) m = vmax(m, elems(x, j + l, bf16));
             float top = m[0];
             for (int l = 1; l < LANES; l++) top = m[l] > top ? m[l] : top;
             if (!(top > worst)) {
@@ -51,8 +69,9 @@ static void row_topk(const float *x, int64_t vocab, int k, float *vals, int32_t 
             }
         }
         for (; j < end; j++) {
-            if (x[j] > worst) {
-                vals[w] = x[j];
+            float v = elem(x, j, bf16);
+            if (v > worst) {
+                vals[w] = v;
                 ids[w] = (int32_t)j;
                 w = worst_of(vals, ids, k);
                 worst = vals[w];
@@ -74,19 +93,19 @@ static void row_topk(const float *x, int64_t vocab, int k, float *vals, int32_t 
     }
 }
 
-static float row_sum_exp(const float *x, int64_t vocab, float max) {
+static float row_sum_exp(const void *x, int bf16, int64_t vocab, float max) {
     vf acc = splat(0.0f), shift = splat(max);
     int64_t j = 0;
-    for (; j + LANES <= vocab; j += LANES) acc += vexp_nonpositive(load(x + j) - shift);
+    for (; j + LANES <= vocab; j += LANES) acc += vexp_nonpositive(elems(x, j, bf16) - shift);
     float z = 0.0f;
-    for (; j < vocab; j++) z += exp_nonpositive(x[j] - max);
+    for (; j < vocab; j++) z += exp_nonpositive(elem(x, j, bf16) - max);
     for (int l = 0; l < LANES; l++) z += acc[l];
     return z;
 }
 
 /* Returns 0; -1 when k is out of range, -2 when a destination row or key index is out of
  * range (nothing written then). */
-int rc_topk_update(const float *logits, int64_t num_rows, int64_t vocab, int64_t ld, int64_t k,
+int rc_topk_update(const void *logits, int bf16, int64_t num_rows, int64_t vocab, int64_t ld, int64_t k,
                    const int64_t *dest, int64_t num_dest, int32_t *table, int64_t table_rows,
                    half_t *probs, int32_t *topk_out, half_t *probs_out, int32_t *keys,
                    int64_t num_keys, const int64_t *key_index, const int32_t *key_value,
@@ -102,11 +121,11 @@ int rc_topk_update(const float *logits, int64_t num_rows, int64_t vocab, int64_t
     int32_t ids[MAX_K];
     half_t p[MAX_K];
     for (int64_t t = 0; t < num_rows; t++) {
-        const float *x = logits + t * ld;
-        row_topk(x, vocab, (int)k, vals, ids);
+        const void *x = (const char *)logits + t * ld * (bf16 ? 2 : 4);
+        row_topk(x, bf16, vocab, (int)k, vals, ids);
         argmax[t] = ids[0];
         if (want_probs) {
-            float z = row_sum_exp(x, vocab, vals[0]);
+            float z = row_sum_exp(x, bf16, vocab, vals[0]);
             for (int i = 0; i < k; i++) p[i] = (half_t)(exp_nonpositive(vals[i] - vals[0]) / z);
         }
         if (topk_out)

@@ -135,15 +135,14 @@ def _build() -> Path:
 def _load(path: Path):
     lib = ctypes.CDLL(str(path))
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.rc_topk_update.argtypes = [p, i64, i64, i64, i64, p, i64, p, i64, p, p, p, p, i64, p, p, p]
+    lib.rc_topk_update.argtypes = [p, ctypes.c_int, i64, i64, i64, i64, p, i64, p, i64, p, p, p, p, i64, p, p, p]
     lib.rc_topk_update.restype = ctypes.c_int
     lib.rc_draft.argtypes = [p, i64, i64, p, p, i64, p, p, i64, p, p, p, i64, i64, p, p]
     lib.rc_draft.restype = ctypes.c_int
     lib.rc_context_match.argtypes = [p, i64, p, p, i64, i64, i64, i64, p, p, p]
     lib.rc_context_match.restype = ctypes.c_int
     c_int = ctypes.c_int
-    lib.rc_tree_attention.argtypes = [p, i64, i64, p, i64, i64, i64, i64, p, i64, p, p, p, p, i64, p,
-                                      i64, p, i64, ctypes.c_float, c_int, c_int, c_int]
+    lib.rc_tree_attention.argtypes = [p, p, p, p, p]
     lib.rc_tree_attention.restype = c_int
     lib.rc_tree_attention_amx.argtypes = []
     lib.rc_tree_attention_amx.restype = c_int
@@ -153,12 +152,13 @@ def _load(path: Path):
 
 
 def takes(logits: torch.Tensor, table: torch.Tensor, *buffers: torch.Tensor | None) -> bool:
-    """Whether ``update`` takes these tensors: CPU, fp32 logits [T, V] with unit column
-    stride, a contiguous int32 table with k <= MAX_K, contiguous float16 probability buffers."""
+    """Whether ``update`` takes these tensors: CPU, fp32 or bfloat16 logits [T, V] with unit
+    column stride, a contiguous int32 table with k <= MAX_K, contiguous float16 probability
+    buffers."""
     return (
         logits.device.type == "cpu"
         and logits.dim() == 2
-        and logits.dtype == torch.float32
+        and logits.dtype in (torch.float32, torch.bfloat16)
         and logits.stride(1) == 1
         and table.device.type == "cpu"
         and table.dtype == torch.int32
@@ -203,7 +203,7 @@ def update(
         return None if t is None else t.data_ptr()
 
     rc = _library().rc_topk_update(
-        logits.data_ptr(), num_rows, vocab, logits.stride(0), k, dest.data_ptr(), dest.shape[1],
+        logits.data_ptr(), int(logits.dtype == torch.bfloat16), num_rows, vocab, logits.stride(0), k, dest.data_ptr(), dest.shape[1],
         table.data_ptr(), table.shape[0], ptr(probs), ptr(topk_out), ptr(probs_out), ptr(keys),
         0 if keys is None else keys.numel(), ptr(key_index), ptr(key_value), argmax.data_ptr(),
     )
@@ -352,34 +352,53 @@ class TreeAttention:
     that cannot be allocated, MemoryError."""
 
     def __init__(self, step, query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor,
-                 isa: str = "vec") -> None:
+                 isa: str = "vec", block_table: torch.Tensor | None = None, scale: float = 1.0) -> None:
         as64 = lambda a: np.ascontiguousarray(a, dtype=np.int64)  # noqa: E731
         self._keep = (as64(step.req_index_np), as64(step.root_row_np), as64(step.num_rows_np),
                       as64(step.prefix_np), step.mask.contiguous())
         req_index, root_row, num_rows, prefix, mask = self._keep
         self.num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
-        self._shapes = (tuple(kv_cache.shape), kv_cache.dtype, tuple(query.shape[1:]), query.stride(0))
-        self._shape = (query.stride(0), query.shape[1])
-        self._cache = (self.num_blocks, num_kv_heads, block_size, query.shape[2])
-        self._step = (req_index.ctypes.data, root_row.ctypes.data, num_rows.ctypes.data, prefix.ctypes.data,
-                      len(req_index), mask.data_ptr(), mask.shape[1])
-        self._out = (output.stride(0),)
-        self._kind = (TREE_DTYPES[query.dtype], LAYOUTS[isa], torch.get_num_threads())
+        self._shapes = (kv_cache.shape, kv_cache.dtype, query.shape[1:], query.stride(0), output.stride(0))
+        self._block_table = block_table
+        if block_table is not None and (block_table.dtype != torch.int32 or block_table.stride(1) != 1):
+            raise ValueError(f"block_table: expected int32 rows of unit stride, got {block_table.dtype}")
+        self._plan = _TreePlan(
+            query.stride(0), query.shape[1], self.num_blocks, num_kv_heads, block_size, query.shape[2],
+            0 if block_table is None else block_table.stride(0), req_index.ctypes.data, root_row.ctypes.data,
+            num_rows.ctypes.data, prefix.ctypes.data, len(req_index), mask.data_ptr(), mask.shape[1],
+            output.stride(0), scale, TREE_DTYPES[query.dtype], LAYOUTS[isa], torch.get_num_threads(),
+        )
+        self._plan_ref = ctypes.byref(self._plan)
         self._fn = _library().rc_tree_attention
 
     def __call__(self, query, output, kv_cache, block_table, scale: float) -> None:
-        if block_table.dtype != torch.int32 or block_table.stride(1) != 1:
-            raise ValueError(f"block_table: expected int32 rows of unit stride, got {block_table.dtype}")
-        shapes = (tuple(kv_cache.shape), kv_cache.dtype, tuple(query.shape[1:]), query.stride(0))
-        if shapes != self._shapes:
-            raise ValueError(f"tree attention: this layer's KV cache / query {shapes} differ from the step's "
-                             f"first layer's {self._shapes}")
-        rc = self._fn(query.data_ptr(), *self._shape, kv_cache.data_ptr(), *self._cache, block_table.data_ptr(),
-                      block_table.stride(0), *self._step, output.data_ptr(), *self._out, scale, *self._kind)
+        """One layer: its query, output and cache (the first layer's shapes), the step's block
+        table and scale (the ones the plan was built with)."""
+        if (kv_cache.shape, kv_cache.dtype, query.shape[1:], query.stride(0), output.stride(0)) != self._shapes:
+            raise ValueError(f"tree attention: this layer's KV cache / query {tuple(kv_cache.shape)}, "
+                             f"{tuple(query.shape[1:])} differ from the step's first layer's {self._shapes}")
+        if block_table is not self._block_table or scale != self._plan.scale:
+            if block_table.dtype != torch.int32 or block_table.stride(1) != 1:
+                raise ValueError(f"block_table: expected int32 rows of unit stride, got {block_table.dtype}")
+            self._block_table, self._plan.bt_ld, self._plan.scale = block_table, block_table.stride(0), scale
+        rc = self._fn(self._plan_ref, query.data_ptr(), kv_cache.data_ptr(), block_table.data_ptr(),
+                      output.data_ptr())
         if rc == -2:
             raise IndexError(f"a tree request's block table names a block outside the cache's {self.num_blocks}")
         if rc == -3:
             raise MemoryError("tree attention: a thread could not allocate its scratch memory")
+
+
+class _TreePlan(ctypes.Structure):
+    """native_attention.c: struct tree_plan."""
+
+    _fields_ = [(name, ctypes.c_int64) for name in ("q_ld", "num_heads", "num_blocks", "num_kv_heads", "bs", "D",
+                                                    "bt_ld")] + [
+        ("req_index", ctypes.c_void_p), ("root_row", ctypes.c_void_p), ("num_rows", ctypes.c_void_p),
+        ("prefix_len", ctypes.c_void_p), ("num_req", ctypes.c_int64), ("mask", ctypes.c_void_p),
+        ("width", ctypes.c_int64), ("out_ld", ctypes.c_int64), ("scale", ctypes.c_float),
+        ("dtype", ctypes.c_int32), ("layout", ctypes.c_int32), ("threads", ctypes.c_int32),
+    ]
 
 
 def move_slots_takes(kv_caches: list[torch.Tensor], isa: str = "vec") -> bool:

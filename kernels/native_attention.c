@@ -370,12 +370,24 @@ int rc_tree_attention_amx(void) {
 
 #define TILE 32
 
-int rc_tree_attention(const void *query, int64_t q_ld, int64_t num_heads, const void *cache,
-                      int64_t num_blocks, int64_t num_kv_heads, int64_t bs, int64_t D,
-                      const int32_t *block_table, int64_t bt_ld, const int64_t *req_index,
-                      const int64_t *root_row, const int64_t *num_rows, const int64_t *prefix_len,
-                      int64_t num_req, const uint8_t *mask, int64_t width, void *out,
-                      int64_t out_ld, float scale, int dtype, int layout, int threads) {
+/* What every layer of a step shares (native.TreeAttention builds it in the step's first layer),
+ * so that a layer's call passes four pointers. */
+struct tree_plan {
+    int64_t q_ld, num_heads, num_blocks, num_kv_heads, bs, D, bt_ld;
+    const int64_t *req_index, *root_row, *num_rows, *prefix_len;
+    int64_t num_req;
+    const uint8_t *mask;
+    int64_t width, out_ld;
+    float scale;
+    int32_t dtype, layout, threads;
+};
+
+static int tree_attention(const void *query, int64_t q_ld, int64_t num_heads, const void *cache,
+                          int64_t num_blocks, int64_t num_kv_heads, int64_t bs, int64_t D,
+                          const int32_t *block_table, int64_t bt_ld, const int64_t *req_index,
+                          const int64_t *root_row, const int64_t *num_rows, const int64_t *prefix_len,
+                          int64_t num_req, const uint8_t *mask, int64_t width, void *out,
+                          int64_t out_ld, float scale, int dtype, int layout, int threads) {
     const int64_t G = num_heads / num_kv_heads;
     const int64_t tiles = (G * (width - 1) + TILE - 1) / TILE;
     const int64_t items = num_req * num_kv_heads * tiles;
@@ -485,6 +497,14 @@ int rc_tree_attention(const void *query, int64_t q_ld, int64_t num_heads, const 
         }
     }
     return failed ? -3 : 0;
+}
+
+int rc_tree_attention(const struct tree_plan *p, const void *query, const void *cache, const int32_t *block_table,
+                      void *out) {
+    return tree_attention(query, p->q_ld, p->num_heads, cache, p->num_blocks, p->num_kv_heads, p->bs, p->D,
+                          block_table, p->bt_ld, p->req_index, p->root_row, p->num_rows, p->prefix_len,
+                          p->num_req, p->mask, p->width, out, p->out_ld, p->scale, p->dtype, p->layout,
+                          p->threads);
 }
 
 /* The accepted tree nodes' keys and values moved to their positions' slots, in every layer's

@@ -280,7 +280,7 @@ def tree_attention_cpu(
     layer's tensors (every layer of a step has the same shapes, checked in each;
     benchmarks/results/tree_attention_cpu.md), otherwise ``tree_attention_reference``."""
     if step.cpu_plan is None and native.tree_attention_takes(query, kv_cache, output, isa):
-        step.cpu_plan = native.TreeAttention(step, query, kv_cache, output, isa)  # the step's first layer
+        step.cpu_plan = native.TreeAttention(step, query, kv_cache, output, isa, block_table, scale)  # first layer
     if isinstance(step.cpu_plan, native.TreeAttention):
         step.cpu_plan(query, output, kv_cache, block_table, scale)
         return

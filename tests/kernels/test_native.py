@@ -52,6 +52,17 @@ def test_random_rows_equal_the_reference(k, vocab):
     _compare(logits, rows, k)
 
 
+@pytest.mark.parametrize("k", [1, 8])
+@pytest.mark.parametrize("vocab", [300, 151936])
+def test_bfloat16_logits_equal_the_reference(k, vocab):
+    """A bfloat16 model's logits, read as they are (no fp32 copy): bfloat16 has few distinct
+    values, so ties are frequent and the lower id must win."""
+    logits = _logits(7, vocab, seed=k).to(torch.bfloat16)
+    assert native.takes(logits, torch.zeros((vocab, k), dtype=torch.int32))
+    _compare(logits, torch.tensor([0, 3, 3, 9, 1, 299, 4]), k)
+    _compare(_logits(5, vocab, seed=k, ties=True).to(torch.bfloat16), torch.tensor([0, 1, 2, 3, 4]), k)
+
+
 @pytest.mark.parametrize("k", [2, 8])
 def test_ties_lower_id_first_and_infinities(k):
     vocab = 600  # two whole scan blocks and a partial one
@@ -100,7 +111,7 @@ def test_bad_rows_raise_before_writing():
 def test_takes_only_what_it_handles():
     table = torch.zeros((8, 2), dtype=torch.int32)
     assert native.takes(torch.zeros(3, 8), table)
-    assert not native.takes(torch.zeros(3, 8, dtype=torch.bfloat16), table)
+    assert not native.takes(torch.zeros(3, 8, dtype=torch.float16), table)
     assert not native.takes(torch.zeros(8, 3).t(), table)  # no unit column stride
     assert not native.takes(torch.zeros(3, 8), table, torch.zeros((8, 2)))  # fp32 probs
 

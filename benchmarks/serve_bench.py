@@ -52,8 +52,7 @@ from spec_bench import (  # noqa: E402
     RESULTS, METHODS, ensure_model_prior, run_header, speculative_config, write_results,
 )
 
-SERVER_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
-               "--max-num-seqs", "64"]
+SERVER_ARGS = ["--enforce-eager", "--max-model-len", "2048", "--max-num-seqs", "64"]
 DEFAULT_METHODS = ",".join(["none", "ngram tuned", "suffix", "recycling chain6 hot",
                             "recycling tree16 hot", "recycling tree32 hot", "recycling 2.2.2 hot"])
 
@@ -197,6 +196,7 @@ def main() -> None:
                         help=f"comma-separated, from: {', '.join(METHODS)}, "
                              "ngram:k=K:min=A:max=B or recycling:KEY=VALUE:...")
     parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--concurrency", default="1,4,16,64")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--output-spread", type=float, default=0.0,
@@ -222,6 +222,7 @@ def main() -> None:
     if not 0.0 <= args.output_spread < 1.0:
         parser.error(f"--output-spread: expected 0 <= R < 1, got {args.output_spread}")
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    SERVER_ARGS[:0] = ["--dtype", args.dtype]
     SERVER_ARGS.extend(shlex.split(args.server_args))
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for method in methods:
@@ -233,7 +234,7 @@ def main() -> None:
     from vllm_recycling.tools.prompts import spec_bench_questions
 
     prepare_model(args.model)  # once, before the servers start
-    ensure_model_prior(args.model)
+    ensure_model_prior(args.model, args.dtype)
     questions = spec_bench_questions(args.questions)
     random.Random(args.seed).shuffle(questions)
     rows = []

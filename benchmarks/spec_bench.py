@@ -138,7 +138,7 @@ def run_method(args) -> dict:
     prompts = [{"prompt_token_ids": chat_prompt_ids(tokenizer, q["turns"][0])} for q in questions]
     spec = speculative_config(args.worker)
     batch = {"max_num_seqs": args.batch} if args.batch > 1 else {}
-    llm = LLM(model, dtype="float32", enforce_eager=True, max_model_len=2048, seed=0,
+    llm = LLM(model, dtype=args.dtype, enforce_eager=True, max_model_len=2048, seed=0,
               disable_log_stats=False, speculative_config=spec, **batch)
     # Sampled runs: prompt i draws with seed i, so every method answers the same requests.
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
@@ -211,6 +211,9 @@ def main() -> None:
                         help=f"comma-separated, from: {', '.join(METHODS)}, "
                              "ngram:k=K:min=A:max=B or recycling:KEY=VALUE:...")
     parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                        help="the model's dtype (bfloat16: what users run; on CPUs with AMX vLLM "
+                        "then picks its amx KV layout)")
     parser.add_argument("--questions", help="a Spec-Bench question.jsonl (default: the shipped "
                                             "52-question sample)")
     parser.add_argument("--per-category", type=int, default=2)
@@ -242,7 +245,7 @@ def main() -> None:
             speculative_config(method)
         except ValueError as e:
             parser.error(str(e))
-    ensure_model_prior(args.model)
+    ensure_model_prior(args.model, args.dtype)
     questions = benchmark_questions(args)
     print(f"{len(methods)} methods x {len(questions)} prompts, up to {args.max_tokens} tokens each",
           flush=True)
@@ -251,7 +254,7 @@ def main() -> None:
         print(f"[{i}/{len(methods)}] {method}", flush=True)
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             cmd = [sys.executable, __file__, "--worker", method, "--out", f.name,
-                   "--model", args.model, "--per-category", str(args.per_category),
+                   "--model", args.model, "--dtype", args.dtype, "--per-category", str(args.per_category),
                    "--seed", str(args.seed), "--max-tokens", str(args.max_tokens),
                    "--temperature", str(args.temperature), "--batch", str(args.batch)]
             cmd += ["--ignore-eos"] if args.ignore_eos else []
@@ -263,7 +266,7 @@ def main() -> None:
     report = {
         **run_header("spec_bench.py", args.model),
         "engine": engine_mode(),
-        "dtype": "float32",
+        "dtype": args.dtype,
         "prompts": (f"Spec-Bench turns[0] with the chat template: the shipped 52-question sample, "
                     f"{'the questions left out by ' if args.held_out else ''}{args.per_category} "
                     f"per category drawn with seed {args.seed} ({len(questions)} prompts)"),
@@ -278,8 +281,8 @@ def main() -> None:
     print("\n" + markdown(report))
 
 def cpu_model(cpuinfo: str | None = None) -> str:
-    """The processor's name and whether it has AVX-512, from ``/proc/cpuinfo`` (or the text
-    given). The development machine is not the same from one day to the next (the kernel
+    """The processor's name and whether it has AVX-512 and AMX, from ``/proc/cpuinfo`` (or the
+    text given). The development machine is not the same from one day to the next (the kernel
     build and the CPU change), and a CPU step's cost moves with it, so times compare only
     within one results file."""
     if cpuinfo is None:
@@ -290,11 +293,13 @@ def cpu_model(cpuinfo: str | None = None) -> str:
     first = cpuinfo.split("\n\n")[0]
     fields = {k.strip(): v.strip() for k, v in
               (line.split(":", 1) for line in first.splitlines() if ":" in line)}
-    avx512 = "with" if "avx512f" in fields.get("flags", "").split() else "without"
-    return f"{fields.get('model name', 'unknown CPU')} {avx512} AVX-512"
+    flags = fields.get("flags", "").split()
+    avx512 = "with" if "avx512f" in flags else "without"
+    amx = "with" if "amx_tile" in flags else "without"
+    return f"{fields.get('model name', 'unknown CPU')} {avx512} AVX-512, {amx} AMX"
 
 
-def ensure_model_prior(model: str, topk: int = 8) -> None:
+def ensure_model_prior(model: str, dtype: str = "bfloat16", topk: int = 8) -> None:
     """The model's initial matrix computed and cached before anything is measured (an engine
     that starts without it takes it in while it runs, which would blur a measurement)."""
     from vllm.engine.arg_utils import EngineArgs
@@ -302,7 +307,7 @@ def ensure_model_prior(model: str, topk: int = 8) -> None:
     from vllm_recycling.tools.models import prepare_model
     from vllm_recycling.warm import ensure_prior
 
-    args = EngineArgs(str(prepare_model(model)), dtype="float32")
+    args = EngineArgs(str(prepare_model(model)), dtype=dtype)
     ensure_prior(args, args.create_model_config(), topk, progress="bar")
 
 

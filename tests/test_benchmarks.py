@@ -54,14 +54,16 @@ def test_method_names():
     assert set(serve_bench.DEFAULT_METHODS.split(",")) <= set(spec_bench.METHODS)
 
 
-def test_cpu_model_names_the_processor_and_avx512():
+def test_cpu_model_names_the_processor_avx512_and_amx():
     # /proc/cpuinfo pads keys with tabs; only the first processor's block is read.
     xeon = ("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8375C CPU @ 2.90GHz\n"
             "flags\t\t: fpu sse2 avx2 avx512f avx512bw\n\nprocessor\t: 1\nflags\t\t: fpu\n")
+    amx = "processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Processor\nflags\t\t: avx512f amx_bf16 amx_tile\n"
     epyc = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx2 avx512_bf16\n"
-    assert spec_bench.cpu_model(xeon) == "Intel(R) Xeon(R) Platinum 8375C CPU @ 2.90GHz with AVX-512"
-    assert spec_bench.cpu_model(epyc) == "AMD EPYC without AVX-512"
-    assert spec_bench.cpu_model("processor\t: 0\n") == "unknown CPU without AVX-512"
+    assert spec_bench.cpu_model(xeon) == "Intel(R) Xeon(R) Platinum 8375C CPU @ 2.90GHz with AVX-512, without AMX"
+    assert spec_bench.cpu_model(amx) == "Intel(R) Xeon(R) Processor with AVX-512, with AMX"
+    assert spec_bench.cpu_model(epyc) == "AMD EPYC without AVX-512, without AMX"
+    assert spec_bench.cpu_model("processor\t: 0\n") == "unknown CPU without AVX-512, without AMX"
 
 
 def test_results_name_the_engine_and_the_variables_that_shape_it(monkeypatch):

@@ -1,0 +1,153 @@
+"""Greedy (and seeded) output with speculation against output without it, prompt by prompt, on a
+real model in its serving dtype: where two runs differ, the first differing token, and the
+no-speculation run's top-2 logprob gap there (a near-tie or not).
+
+    python benchmarks/greedy_identity.py --model qwen2.5-coder-0.5b --dtype bfloat16
+
+Runs, each an engine of its own, in this order: no speculation at batch 1 (prompts one at a
+time) and at batch 8 (all prompts at once, at most 8 running), then the default recycling
+configuration at batch 1 and at batch 8. Every recycling run is compared with the
+no-speculation run of the same batch size; and, as the yardstick of what vLLM itself does, the
+no-speculation run at batch 8 with the one at batch 1 (a different batch shape computes the
+same positions with other matmul shapes: in bfloat16 a near-tie can then flip without any
+speculation). Seeded: the same prompts sampled (temperature 0.8, top-p 0.95, seed per prompt)
+with and without speculation at batch 1.
+
+A divergence passes as a near-tie when, at its first token, the no-speculation run's top-2
+logprobs are within ``NEAR_TIE`` of the dtype (as in ``tests/engines.py``) and the recycling
+run took the other of the two. Writes ``benchmarks/results/greedy_identity_<tag>.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from spec_bench import RESULTS, benchmark_questions, ensure_model_prior, run_header, write_results  # noqa: E402
+
+NEAR_TIE = {"float32": 1e-4, "bfloat16": 0.25}
+SEEDED = dict(temperature=0.8, top_p=0.95)
+
+
+def run(args) -> dict:
+    """One engine (args.worker: "none" or "recycling", args.batch, args.seeded): per prompt, its
+    tokens and each position's top-2 logprobs."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    from vllm_recycling.tools.models import prepare_model
+    from vllm_recycling.tools.prompts import chat_prompt_ids
+
+    model = str(prepare_model(args.model))
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    prompts = [{"prompt_token_ids": chat_prompt_ids(tokenizer, q["turns"][0])} for q in benchmark_questions(args)]
+    spec = {"method": "recycling"} if args.worker == "recycling" else None
+    llm = LLM(model, dtype=args.dtype, enforce_eager=True, max_model_len=2048, seed=0, speculative_config=spec,
+              max_num_seqs=args.batch)
+    if args.seeded:
+        params = [SamplingParams(max_tokens=args.max_tokens, logprobs=2, seed=i, **SEEDED) for i in range(len(prompts))]
+    else:
+        params = [SamplingParams(temperature=0, max_tokens=args.max_tokens, logprobs=2)] * len(prompts)
+    if args.batch == 1:
+        outputs = [llm.generate([p], [sp], use_tqdm=False)[0] for p, sp in zip(prompts, params)]
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    return {"tokens": [list(o.outputs[0].token_ids) for o in outputs],
+            "top2": [[sorted(((t, lp.logprob) for t, lp in pos.items()), key=lambda x: -x[1])[:2]
+                      for pos in o.outputs[0].logprobs] for o in outputs]}
+
+
+def compare(base: dict, other: dict, near_tie: float) -> dict:
+    """Prompt by prompt: identical, or the first differing position with the base run's top-2
+    there and whether it is a near-tie the other run took the other side of."""
+    rows = []
+    for i, (a, b) in enumerate(zip(base["tokens"], other["tokens"])):
+        j = next((t for t, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if j is None:
+            rows.append({"prompt": i, "identical": a == b, "length": len(a)})
+            continue
+        (t1, l1), (t2, l2) = base["top2"][i][j]
+        gap = l1 - l2
+        rows.append({"prompt": i, "identical": False, "first_difference": j, "gap": gap,
+                     "near_tie": gap <= near_tie and b[j] in (t1, t2), "length": len(a)})
+    return {"identical": sum(r["identical"] for r in rows), "near_ties": sum(r.get("near_tie", False) for r in rows),
+            "prompts": len(rows), "rows": rows}
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# Greedy identity, {report['model']} in {report['dtype']}", "", report["header"], "",
+             "| comparison | prompts | identical | differing at a near-tie | differing otherwise | gaps at the first difference |",
+             "|---|---|---|---|---|---|"]
+    for name, c in report["comparisons"].items():
+        gaps = ", ".join(f"{r['gap']:.3f}" for r in c["rows"] if not r["identical"]) or "-"
+        other = c["prompts"] - c["identical"] - c["near_ties"]
+        lines.append(f"| {name} | {c['prompts']} | {c['identical']} | {c['near_ties']} | {other} | {gaps} |")
+    lines += ["", f"A near-tie: the no-speculation run's top-2 logprobs within {report['near_tie']} at the first "
+              "differing token, and the other run took the other of the two."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--dtype", default="bfloat16", choices=tuple(NEAR_TIE))
+    parser.add_argument("--questions", help="a Spec-Bench question.jsonl (default: the shipped sample)")
+    parser.add_argument("--per-category", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--held-out", action="store_true", help="the questions the draw leaves out")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--tag", default=None)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--seeded", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        Path(args.out).write_text(json.dumps(run(args)))
+        return
+    ensure_model_prior(args.model, args.dtype)
+    runs = {}
+    for worker, batch, seeded in (("none", 1, False), ("none", 8, False), ("recycling", 1, False),
+                                  ("recycling", 8, False), ("none", 1, True), ("recycling", 1, True)):
+        name = f"{worker}, batch {batch}{', seeded' if seeded else ''}"
+        print(f"[{len(runs) + 1}/6] {name}", flush=True)
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            cmd = [sys.executable, __file__, "--worker", worker, "--batch", str(batch), "--out", f.name,
+                   "--model", args.model, "--dtype", args.dtype, "--per-category", str(args.per_category),
+                   "--seed", str(args.seed), "--max-tokens", str(args.max_tokens)]
+            cmd += ["--seeded"] if seeded else []
+            cmd += ["--questions", args.questions] if args.questions else []
+            cmd += ["--held-out"] if args.held_out else []
+            subprocess.run(cmd, check=True)
+            runs[name] = json.loads(Path(f.name).read_text())
+    near_tie = NEAR_TIE[args.dtype]
+    comparisons = {
+        "recycling against none, batch 1": compare(runs["none, batch 1"], runs["recycling, batch 1"], near_tie),
+        "recycling against none, batch 8": compare(runs["none, batch 8"], runs["recycling, batch 8"], near_tie),
+        "none at batch 8 against none at batch 1 (vLLM alone)": compare(runs["none, batch 1"], runs["none, batch 8"],
+                                                                        near_tie),
+        "seeded: recycling against none, batch 1": compare(runs["none, batch 1, seeded"],
+                                                           runs["recycling, batch 1, seeded"], near_tie),
+    }
+    head = run_header("greedy_identity.py", args.model)
+    report = {**head, "dtype": args.dtype, "near_tie": near_tie, "max_tokens": args.max_tokens,
+              "prompts": len(runs["none, batch 1"]["tokens"]), "comparisons": comparisons,
+              "header": (f"{head['date']}; {head['machine']}; vLLM {head['vllm']}; {len(runs['none, batch 1']['tokens'])} "
+                         f"Spec-Bench prompts ({'held out' if args.held_out else 'the sample'}, {args.per_category} per "
+                         f"category), up to {args.max_tokens} tokens; LD_PRELOAD {head['ld_preload']}; the engine in "
+                         f"the benchmark's process. Command: `{head['command']}`.")}
+    tag = args.tag or f"{args.model}_{args.dtype}"
+    write_results(f"greedy_identity_{tag}", report, markdown, lambda report, path: None)
+    print(markdown(report))
+
+
+if __name__ == "__main__":
+    main()

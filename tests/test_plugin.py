@@ -75,23 +75,61 @@ def test_register_applies_every_patch_once():
         assert not hasattr(owner.__dict__[attr].__wrapped__, _MARK)
 
 
-def test_start_up_refuses_a_patch_target_whose_signature_changed(monkeypatch):
-    """A vLLM 0.32.x whose patched function takes other parameters than the one a patch was
-    written for: start-up (the plugin's entry point) fails naming the target, instead of a
-    failure at the first step that calls it."""
+def test_a_patch_target_whose_signature_changed_leaves_vllm_untouched(monkeypatch, tiny_model):
+    """Review R1: a vLLM 0.32.x whose patched function takes other parameters than the one a
+    patch was written for (one more defaulted parameter). The plugin's entry point, which runs
+    in every vLLM process, does not raise: it leaves vLLM as it was and refuses only method
+    "recycling", naming the target."""
+    from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.core.sched.scheduler import Scheduler
 
     def update_from_output(self, scheduler_output, model_runner_output, num_steps=1):
         raise AssertionError("never called")
 
     monkeypatch.setattr(Scheduler, "update_from_output", update_from_output)
-    with pytest.raises(RuntimeError, match=(
-        r"patch drafts_from_sampled_output: vllm.v1.core.sched.scheduler:Scheduler.update_from_output "
-        r"takes \(self, scheduler_output, model_runner_output, num_steps=1\), the patch was written "
-        r"for \(self, scheduler_output, model_runner_output\)"
-    )):
-        plugin.register()
+    monkeypatch.setattr(EngineArgs, "create_speculative_config", EngineArgs.create_speculative_config)
+    plugin.register()  # no exception
     assert Scheduler.update_from_output is update_from_output  # left as it was
+    with pytest.raises(plugin.UnsupportedVllmVersion, match=(
+        r"cannot run on this vLLM .*: patch drafts_from_sampled_output: "
+        r"vllm.v1.core.sched.scheduler:Scheduler.update_from_output takes \(self, scheduler_output, "
+        r"model_runner_output, num_steps=1\), the patch was written for \(self, scheduler_output, "
+        r"model_runner_output\)"
+    )):
+        EngineArgs(tiny_model, **ENGINE, speculative_config=RECYCLING).create_engine_config()
+    EngineArgs(tiny_model, **ENGINE).create_engine_config()  # everything else as without the plugin
+
+
+def test_patches_apply_all_or_none(monkeypatch):
+    """Every target is checked before any is wrapped: one mismatch, and none is applied."""
+    import types
+
+    from vllm_recycling.patches.base import MethodPatch, PatchMismatch
+
+    module = types.ModuleType("patched_all")
+    module.first = lambda x: x
+    module.second = lambda x, y=0: x + y
+    monkeypatch.setitem(__import__("sys").modules, "patched_all", module)
+
+    class First(MethodPatch):
+        target = "patched_all:first"
+        signature = "(x)"
+
+        @staticmethod
+        def wrap(original):
+            return lambda x: original(x) + 1
+
+    class Second(MethodPatch):
+        target = "patched_all:second"
+        signature = "(x)"  # the target grew a parameter
+
+        @staticmethod
+        def wrap(original):
+            return lambda x: original(x) + 2
+
+    with pytest.raises(PatchMismatch, match=r"patch second: patched_all:second takes \(x, y=0\)"):
+        patches.apply_all([First, Second])
+    assert module.first(1) == 1 and not First.is_applied()
 
 
 def test_a_target_takes_one_patch(monkeypatch):

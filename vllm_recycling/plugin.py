@@ -2,9 +2,11 @@
 starts (front end, engine core, workers) before it builds any config or model runner.
 
 On the vLLM release line the patches were read from (``SUPPORTED_VLLM``) it applies them
-(``patches.apply_all``, idempotent). On any other vLLM it stays inactive: it logs why, applies
-nothing, and only refuses ``method="recycling"`` with a clear error, so every other use of that
-vLLM works as if the plugin were not installed.
+(``patches.apply_all``: all or none, idempotent). On any other vLLM, or on a 0.32.x whose
+patched functions are not what the patches were written for (a parameter added, a function
+moved), it stays inactive: it logs why, applies nothing, and only refuses
+``method="recycling"`` with a clear error, so every other use of that vLLM works as if the
+plugin were not installed.
 """
 
 from __future__ import annotations
@@ -55,8 +57,8 @@ def installed_vllm_version() -> str:
 
 
 def register() -> None:
-    """Entry point: every patch on vLLM 0.32.x; on another vLLM none, and a refusal of
-    ``method="recycling"``."""
+    """Entry point: every patch on vLLM 0.32.x; on another vLLM, or where a patched function
+    changed, none, and a refusal of ``method="recycling"``."""
     installed = installed_vllm_version()
     message = unsupported_version_message(installed)
     if message is None:
@@ -67,7 +69,17 @@ def register() -> None:
 
             if current_platform.is_cpu():
                 patches.use_triton_attention_on_cpu()  # before the patches: they wrap its backend
-        patches.apply_all()
+        try:
+            patches.apply_all()  # every target checked first: all or none
+        except patches.PatchMismatch as e:
+            logger.warning(
+                "vllm-recycling %s is inactive (no patches applied): %s. Speculative method "
+                "'recycling' is refused; everything else runs as without the plugin.", __version__, e,
+            )
+            _refuse_recycling(
+                f"vllm-recycling {__version__} cannot run on this vLLM {installed}: {e}. Install a "
+                f"vLLM {_SUPPORTED} it was written for, or uninstall vllm-recycling."
+            )
         return
     logger.warning(
         "vllm-recycling %s is inactive (no patches applied): it supports vLLM %s only and vLLM "

@@ -113,7 +113,7 @@ from vllm_recycling.patches.attention import (
     TreeAttentionTriton,
     use_triton_attention_on_cpu,
 )
-from vllm_recycling.patches.base import MethodPatch
+from vllm_recycling.patches.base import MethodPatch, PatchMismatch
 from vllm_recycling.patches.cpu_fixes import (
     ConstraintsWithoutDrafts,
     ExpandOnCPU,
@@ -150,12 +150,18 @@ PATCHES: tuple[type[MethodPatch], ...] = (
     ExpandOnCPU, ConstraintsWithoutDrafts, SeededChunkedPrefillOnCPU,
 )
 
-__all__ = ["PATCHES", "PROPOSER_CLASS", "apply_all", "use_triton_attention_on_cpu"] + [p.__name__ for p in PATCHES]
+__all__ = ["PATCHES", "PROPOSER_CLASS", "PatchMismatch", "apply_all", "use_triton_attention_on_cpu"] + [p.__name__ for p in PATCHES]
 
 
-def apply_all() -> list[str]:
-    """Apply every patch wanted in this process (idempotent). Returns the names newly applied."""
-    applied = [patch.name for patch in PATCHES if patch.apply()]
+def apply_all(patches=None) -> list[str]:
+    """Apply every patch wanted in this process (idempotent), or none: every target is checked
+    first (``MethodPatch.problem``) and any mismatch raises ``PatchMismatch`` naming each, with
+    nothing applied. Returns the names newly applied."""
+    patches = PATCHES if patches is None else patches
+    problems = [p for p in (patch.problem() for patch in patches) if p is not None]
+    if problems:
+        raise PatchMismatch("; ".join(problems))
+    applied = [patch.name for patch in patches if patch.apply()]
     if applied:
         logger.debug("vllm-recycling patches applied: %s", ", ".join(applied))
     return applied

@@ -17,14 +17,18 @@ _MARK = "__vllm_recycling_patch__"
 DRAFTS_ATTR = "recycling_draft_token_ids"
 
 
+class PatchMismatch(RuntimeError):
+    """A vLLM function a patch wraps is not what the patch was written for."""
+
+
 class MethodPatch:
     """Wraps one function of vLLM once: ``wrap(original)`` returns the replacement.
 
     target: ``"module:Owner.attr"`` (a class's method) or ``"module:function"`` (a module's
     function), imported only when the patch is applied. signature: the target's parameters in
-    the vLLM the patch was written for (``parameters``), compared when it is applied, so that a
-    vLLM whose target changed fails at start-up naming it, not at the first step that calls
-    it. name: the class name in snake case, marked on the wrapper so that a second ``apply`` is
+    the vLLM the patch was written for (``parameters``), compared before anything is applied
+    (``patches.apply_all``), so that on a vLLM whose target changed the plugin stays inactive
+    and refuses method "recycling" naming the target, not at the first step that calls it. name: the class name in snake case, marked on the wrapper so that a second ``apply`` is
     a no-op and a second patch of the same target is refused."""
 
     target: str
@@ -55,30 +59,39 @@ class MethodPatch:
         return owner, attr
 
     @classmethod
-    def apply(cls) -> bool:
-        """Install the wrapper; False if it was already installed or is not wanted here."""
+    def problem(cls) -> str | None:
+        """Why this patch cannot be applied to this vLLM (its target missing, wrapped by another
+        patch, or of other parameters than ``signature``), None when it can (or is applied)."""
         if not cls.wanted():
-            return False
-        owner, attr = cls.owner_and_attr()
+            return None
+        try:
+            owner, attr = cls.owner_and_attr()
+        except (ImportError, AttributeError) as e:
+            return f"patch {cls.name}: {cls.target} is missing ({e})"
         current = owner.__dict__.get(attr)
         if current is None:
-            raise RuntimeError(
-                f"vllm-recycling patch {cls.name}: {cls.target} is missing; this vLLM is not the "
-                "0.32 the plugin was written for"
-            )
+            return f"patch {cls.name}: {cls.target} is missing"
         if getattr(current, _MARK, None) == cls.name:
-            return False
+            return None
         if hasattr(current, _MARK):
-            raise RuntimeError(
-                f"vllm-recycling patch {cls.name}: {cls.target} is already wrapped by patch "
-                f"{getattr(current, _MARK)}; a target takes one patch"
-            )
+            return (f"patch {cls.name}: {cls.target} is already wrapped by patch {getattr(current, _MARK)}; "
+                    "a target takes one patch")
         found = parameters(current)
         if found != cls.signature:
-            raise RuntimeError(
-                f"vllm-recycling patch {cls.name}: {cls.target} takes {found}, the patch was "
-                f"written for {cls.signature}; this vLLM is not the 0.32 the plugin was written for"
-            )
+            return f"patch {cls.name}: {cls.target} takes {found}, the patch was written for {cls.signature}"
+        return None
+
+    @classmethod
+    def apply(cls) -> bool:
+        """Install the wrapper; False if it was already installed or is not wanted here.
+        ``PatchMismatch`` (nothing changed) when ``problem`` says it cannot be."""
+        problem = cls.problem()
+        if problem is not None:
+            raise PatchMismatch(problem)
+        if not cls.wanted() or cls.is_applied():
+            return False
+        owner, attr = cls.owner_and_attr()
+        current = owner.__dict__[attr]
         replacement = functools.wraps(current)(cls.wrap(current))
         setattr(replacement, _MARK, cls.name)
         setattr(owner, attr, replacement)

@@ -373,3 +373,34 @@ def test_min_p_and_logit_bias_pass_for_recycling_only():
             params._validate_spec_decode(other)
     with pytest.raises(VLLMValidationError, match="thinking_token_budget"):
         SamplingParams(thinking_token_budget=8)._validate_spec_decode(ours)
+
+
+def test_logprob_token_ids_are_refused_with_recycling_only():
+    """Review A2: no verification of drafts returns the logprobs of given token ids, so a
+    request asking for them is refused (a 400 in the server), with recycling only."""
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    plugin.register()
+    ours = SimpleNamespace(method="custom_class", model=patches.PROPOSER_CLASS)
+    with pytest.raises(VLLMValidationError, match="logprob_token_ids is not supported with speculative method 'recycling'"):
+        SamplingParams(max_tokens=4, logprob_token_ids=[5, 9])._validate_spec_decode(ours)
+    SamplingParams(max_tokens=4)._validate_spec_decode(ours)
+
+
+def test_logits_processor_plugins_are_refused_at_start_up(tiny_model, tmp_path, monkeypatch):
+    """Review A3: vLLM applies the logits processors installed as plugins in every plain step;
+    the drafts' verification could not, so method "recycling" refuses to start, naming them."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    dist = tmp_path / "banner-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: banner\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[vllm.logits_processors]\nban_x = banner:BanX\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    plugin.register()
+    with pytest.raises(RecyclingConfigError, match=r"cannot apply the logits processors installed as vLLM plugins "
+                                                   r"\(ban_x \(banner:BanX\)"):
+        EngineArgs(tiny_model, **ENGINE, speculative_config=RECYCLING).create_engine_config()

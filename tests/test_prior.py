@@ -381,3 +381,33 @@ def test_engine_serves_before_and_after_its_prior_arrives(tiny_model, tiny_base,
     assert not (written_before & from_prior).any()  # what traffic wrote was kept
     assert torch.equal(table_after[from_prior], table[from_prior])
     assert (from_prior | (probs_after[:, 0] > 0)).all()  # every row: the prior's or the traffic's
+
+
+def test_model_settings_travel_to_the_child_as_json():
+    """Review B3: a torch.dtype from the Python API reaches the child as the name vLLM takes; a
+    setting that cannot travel (a callable hf_overrides) is named, and the server then starts
+    without the initial matrix instead of failing (or, on a GPU, refusing to start)."""
+    from types import SimpleNamespace
+
+    from vllm_recycling.warm import NotForAChild, engine_kwargs_of
+
+    args = SimpleNamespace(model="m", dtype=torch.bfloat16, hf_overrides={"a": 1}, seed=3)
+    assert engine_kwargs_of(args) == {"model": "m", "dtype": "bfloat16", "hf_overrides": {"a": 1}, "seed": 3}
+    with pytest.raises(NotForAChild, match="hf_overrides="):
+        engine_kwargs_of(SimpleNamespace(model="m", hf_overrides=lambda config: config))
+
+
+def test_a_callable_setting_starts_without_the_initial_matrix(tmp_path, monkeypatch, caplog):
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from vllm_recycling import LOGGER_NAME, warm
+
+    monkeypatch.setenv("VLLM_RECYCLING_CACHE", str(tmp_path))
+    monkeypatch.setattr(warm.subprocess, "Popen", lambda *a, **k: pytest.fail("no child for this configuration"))
+    config = SimpleNamespace(model="m", revision=None, get_vocab_size=lambda: 16)
+    args = SimpleNamespace(model="m", hf_overrides=lambda c: c)
+    logging.getLogger(LOGGER_NAME).propagate = True
+    with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
+        assert warm.start_prior(args, config, 4, background=True) is None
+    assert "is not computed (hf_overrides=" in caplog.text

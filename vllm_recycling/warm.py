@@ -150,13 +150,27 @@ def warm(
     return seconds
 
 
+class NotForAChild(ValueError):
+    """A model setting the prior's child engine cannot be given (it does not travel as JSON)."""
+
+
 def engine_kwargs_of(engine_args) -> dict[str, Any]:
-    """The model settings of vLLM ``EngineArgs`` that the prior's engine reuses (JSON-able)."""
+    """The model settings of vLLM ``EngineArgs`` that the prior's engine reuses, as JSON: a
+    ``torch.dtype`` by its name (``torch.bfloat16`` -> ``"bfloat16"``, what vLLM's ``dtype``
+    takes). ``NotForAChild`` names a setting that cannot travel (a callable ``hf_overrides``):
+    the child would load another model than the server's."""
     out = {}
     for name in _MODEL_ARGS:
         value = getattr(engine_args, name, None)
-        if value is not None:
-            out[name] = value if isinstance(value, (str, int, float, bool, dict, list)) else str(value)
+        if value is None:
+            continue
+        if isinstance(value, torch.dtype):
+            value = str(value).removeprefix("torch.")
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            raise NotForAChild(f"{name}={value!r} cannot be passed to another process") from None
+        out[name] = value
     return out
 
 
@@ -196,6 +210,13 @@ def start_prior(engine_args, model_config, topk: int, background: bool) -> subpr
     logger = init_logger(LOGGER_NAME)
     path = _path_of(model_config, topk)
     if _loads(path, model_config.get_vocab_size(), topk, logger):
+        return None
+    try:
+        engine_kwargs_of(engine_args)
+    except NotForAChild as e:
+        logger.warning("recycling: the initial matrix of %s is not computed (%s); matrix rows are learnt from "
+                       "traffic only (`vllm-recycling warm` with the same settings as JSON computes it)",
+                       model_config.model, e)
         return None
     if not background:
         ensure_prior(engine_args, model_config, topk)

@@ -61,6 +61,13 @@ def translate_recycling_spec(engine_args: Any, target_model_config: Any) -> None
     config = RecyclingConfig.from_dict(engine_args.speculative_config)
     # a bad snapshot (its table or its confidences) fails now, not in a worker
     config.initial_matrix(target_model_config.get_vocab_size(), with_probs=True)
+    plugins = logits_processor_plugins()
+    if plugins:  # review A3: a plain step applies them, the drafts' verification could not
+        raise RecyclingConfigError(
+            f"speculative method 'recycling' cannot apply the logits processors installed as vLLM "
+            f"plugins ({', '.join(plugins)}; entry point group vllm.logits_processors): uninstall "
+            "them, or serve without speculation"
+        )
     if envs.VLLM_USE_V2_MODEL_RUNNER:
         raise RecyclingConfigError(
             "speculative method 'recycling' runs on vLLM's V1 model runner; unset "
@@ -122,6 +129,16 @@ def translate_recycling_spec(engine_args: Any, target_model_config: Any) -> None
         )
 
 
+def logits_processor_plugins() -> list[str]:
+    """The logits processors installed as vLLM plugins, which every plain step of vLLM applies
+    (v1/sample/logits_processor/__init__.py:57-83, 219-224): "name (module:Class)" each."""
+    from importlib.metadata import entry_points
+
+    from vllm.v1.sample.logits_processor import LOGITSPROCS_GROUP
+
+    return sorted(f"{e.name} ({e.value})" for e in entry_points(group=LOGITSPROCS_GROUP))
+
+
 class SampleLikeAPlainStep(MethodPatch):
     """``SamplingParams._validate_spec_decode`` (sampling_params.py:1182-1195): vLLM refuses
     ``min_p`` and ``logit_bias`` with any speculative method, since its rejection sampler does
@@ -130,7 +147,8 @@ class SampleLikeAPlainStep(MethodPatch):
     recycling drafter only; every other method keeps vLLM's refusal. It refuses
     ``thinking_token_budget`` instead, whose per-step state (``ThinkingBudgetStateHolder``)
     rows sampled apart from their requests cannot share, here at the request rather than
-    in the step."""
+    in the step, and ``logprob_token_ids``, which no verification of drafts returns (review
+    A2)."""
 
     target = "vllm.sampling_params:SamplingParams._validate_spec_decode"
     signature = "(self, speculative_config)"
@@ -143,6 +161,16 @@ class SampleLikeAPlainStep(MethodPatch):
                 and getattr(speculative_config, "method", None) == "custom_class"
                 and getattr(speculative_config, "model", None) == PROPOSER_CLASS
             ):
+                if getattr(self, "logprob_token_ids", None):
+                    from vllm.exceptions import VLLMValidationError
+
+                    # review A2: neither vLLM's rejection sampler nor the row-by-row sampler
+                    # returns them: an answer would carry them at some positions only
+                    raise VLLMValidationError(
+                        "logprob_token_ids is not supported with speculative method 'recycling'",
+                        parameter="logprob_token_ids",
+                        value=self.logprob_token_ids,
+                    )
                 if getattr(self, "thinking_token_budget", None) is not None:
                     from vllm.exceptions import VLLMValidationError
 

@@ -144,6 +144,8 @@ def _load(path: Path):
     c_int = ctypes.c_int
     lib.rc_tree_attention.argtypes = [p, p, p, p, p]
     lib.rc_tree_attention.restype = c_int
+    lib.rc_fail_next_scratch.argtypes = [ctypes.c_int]
+    lib.rc_fail_next_scratch.restype = None
     lib.rc_tree_attention_amx.argtypes = []
     lib.rc_tree_attention_amx.restype = c_int
     lib.rc_move_slots.argtypes = [p, i64, i64, i64, i64, i64, i64, c_int, p, p, i64, p]

@@ -83,7 +83,18 @@ static inline vf vexp_or_zero(vf x) {
 static _Thread_local float *scratch;
 static _Thread_local int64_t scratch_size;
 
+static int fail_scratch; /* tests: this many of the next scratch allocations fail */
+
+/* Make the next n scratch allocations fail, as when memory runs out (tests only). */
+void rc_fail_next_scratch(int n) { fail_scratch = n; }
+
 static float *scratch_of(int64_t n) {
+    if (fail_scratch > 0) {
+        int fail;
+#pragma omp atomic capture
+        fail = fail_scratch--;
+        if (fail > 0) return 0;
+    }
     if (n > scratch_size) {
         free(scratch);
         scratch = (float *)aligned_alloc(64, (size_t)((n * 4 + 63) / 64 * 64));

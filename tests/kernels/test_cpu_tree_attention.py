@@ -377,3 +377,19 @@ def test_a_layer_of_another_shape_raises():
     other = torch.zeros(s.cache.shape[0], 1, s.cache.shape[2], s.cache.shape[3])
     with pytest.raises(ValueError, match="differ from the step's first layer"):
         s.step.cpu_plan(s.query, out, other, s.table, s.scale)
+
+
+def test_scratch_memory_that_cannot_be_had_fails_the_step():
+    """Review C2: a thread that cannot allocate its scratch memory used to skip its rows and
+    report success (those rows kept what vLLM's kernel left: wrong tokens, silently); now the
+    call raises."""
+    s = Step(*RAGGED, 9, 3, 64, torch.float32, seed=3, finite_values=True)
+    out = s.before.clone()
+    s.step.cpu_plan = None
+    native._library().rc_fail_next_scratch(1)
+    try:
+        with pytest.raises(MemoryError, match="could not allocate its scratch memory"):
+            tree_attention_cpu(s.step, s.query, out, s.cache, s.table, s.scale)
+    finally:
+        native._library().rc_fail_next_scratch(0)
+    torch.testing.assert_close(s.native(), s.reference(), atol=2e-5, rtol=2e-5)  # and then works again

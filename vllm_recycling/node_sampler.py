@@ -167,15 +167,14 @@ def samples_rows(sampling) -> bool:
 def plain_greedy(sampling) -> bool:
     """Whether every row of a step with drafts emits its logits' argmax, as a plain greedy step
     does (v1/sample/sampler.py: no logits processor, mask or penalty changes it): nothing
-    ``samples_rows`` verifies row by row, no allowed-token mask, no logprobs asked for, no
-    thinking budget. Such a step is verified from the argmax the matrix update computes."""
-    holder = sampling.thinking_budget_state_holder
+    ``samples_rows`` verifies row by row, no allowed-token mask, no logprobs asked for (a
+    thinking budget and logprob_token_ids are refused at the request,
+    ``patches.SampleLikeAPlainStep``). Such a step is verified from the argmax the matrix
+    update computes."""
     return (
         not samples_rows(sampling)
         and sampling.allowed_token_ids_mask is None
         and sampling.max_num_logprobs is None
-        and not getattr(sampling, "logprob_token_ids", None)
-        and (holder is None or not holder.has_tracked_requests())
     )
 
 
@@ -209,10 +208,6 @@ def expand_metadata(sampling, rows: StepRows, row_req: torch.Tensor, spec_token_
     request's output then its path's drafts, the logits processors over the rows
     (``expand_logitsprocs``), no generators (the noise is set apart) and no logprobs of given
     tokens."""
-    holder = sampling.thinking_budget_state_holder
-    if holder is not None and holder.has_tracked_requests():
-        raise ValueError("recycling: thinking_token_budget is not supported with speculative sampling")
-
     def rep(t):
         return None if t is None else t[row_req]
 

@@ -11,7 +11,6 @@ where it feeds vLLM's rejection sampler (``SpecDecodeMetadata``, ``SamplingMetad
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Callable
 
 import numpy as np
@@ -93,8 +92,7 @@ class TreeVerifier:
             bonus_logits_indices=plan.bonus_logits_indices,
             logits_indices=spec_decode_metadata.logits_indices[plan.rows],
         )
-        sampling = _with_path_history(sampling_metadata, tokens, plan)
-        output = rejection_sampler(chain, None, logits[plan.rows], sampling)
+        output = rejection_sampler(chain, None, logits[plan.rows], sampling_metadata)
         self.move_kv(kv_caches, *plan.compaction(tree, output.sampled_token_ids, slot_mapping))
         return output, plan.path
 
@@ -148,19 +146,3 @@ def verify_sampled(node_sampler, tree: TreeStep | None, logits: torch.Tensor, to
     if tree is not None:
         path = tree_paths(tree, accepted, on_device.start[tree.req_index])
     return SamplerOutput(sampled_token_ids=output, logprobs_tensors=logprobs), path, states
-
-
-def _with_path_history(sampling, tokens: torch.Tensor, plan: ChainPlan):
-    """vLLM's ``SamplingMetadata`` (v1/sample/metadata.py:15-55) for the chosen paths. A
-    thinking budget reads each draft's history from ``spec_token_ids``
-    (rejection_sampler.py:355-360), which holds the scheduled tree: give it the path instead
-    (a host sync; steps with penalties or bad words, which read histories too, are verified row
-    by row, ``node_sampler.samples_rows``, and never come here)."""
-    holder = sampling.thinking_budget_state_holder
-    if holder is None or not holder.has_tracked_requests():
-        return sampling
-    path_tokens = plan.draft_tokens(tokens).clamp(min=0).tolist()  # padding: any token
-    bounds = np.cumsum([0] + plan.num_draft_tokens).tolist()
-    return replace(
-        sampling, spec_token_ids=[path_tokens[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
-    )

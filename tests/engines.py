@@ -179,6 +179,15 @@ def greedy(max_tokens: int = TINY_TOKENS, **kwargs):
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
 
 
+def mixed_params() -> list:
+    """Greedy and seeded sampled requests in one batch, alternately."""
+    from vllm import SamplingParams
+
+    return [greedy() if i % 2 == 0 else
+            SamplingParams(temperature=1.0, top_p=0.9, max_tokens=TINY_TOKENS, ignore_eos=True, seed=i)
+            for i in range(len(TINY_PROMPTS))]
+
+
 def min_tokens_params(greedy_outputs) -> list:
     """Per greedy answer: stop at the token it first emits at position j >= 4, with min_tokens
     j + 8: without speculation that token is masked at j (and wherever it comes again before
@@ -207,6 +216,7 @@ def run_tiny_suite(llm) -> dict:
       engine) and the (text, finish reason) of each answer;
     - ``min_tokens``: a stop token with ``min_tokens`` past its first occurrence
       (``min_tokens_params``), twice (the second with a matrix the first taught);
+    - ``mixed``: greedy and seeded sampled requests in one batch (``mixed_params``);
     - ``sampled``: SAMPLED_REQUESTS draws of the first tokens after one prompt;
     - ``seeded``: the seeded requests in batches of 8 (``run_seeded``), ``seeded_one`` the
       first four alone (batch 1), ``seeded_logprobs`` the first eight's top-2 logprobs.
@@ -223,6 +233,7 @@ def run_tiny_suite(llm) -> dict:
                    for o in llm.generate(TINY_PROMPTS, stops, use_tqdm=False)]
     out["min_tokens"] = [token_ids(llm.generate(TINY_PROMPTS, min_tokens_params(out["greedy"]), use_tqdm=False))
                          for _ in range(2)]
+    out["mixed"] = token_ids(llm.generate(TINY_PROMPTS, mixed_params(), use_tqdm=False))
     prompt = [TINY_PROMPTS[0]] * SAMPLED_REQUESTS
     answers = llm.generate(prompt, sampled_params([None] * SAMPLED_REQUESTS), use_tqdm=False)
     out["sampled"] = [tuple(o.outputs[0].token_ids) for o in answers]

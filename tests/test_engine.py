@@ -18,7 +18,7 @@ pytest.importorskip("vllm")
 
 from engines import (  # noqa: E402
     SAMPLED_REQUESTS, TINY_PROMPTS, TINY_TOKENS, TINY_VOCAB, biased_walk, check_greedy_identity, chi_square,
-    chi_square_critical, engine, greedy, pin_step_cost, random_prompts, run_seeded, run_tiny_suite,
+    chi_square_critical, engine, greedy, mixed_params, pin_step_cost, random_prompts, run_seeded, run_tiny_suite,
     sampled_params, spec_counters, token_ids, unpin_step_cost,
 )
 
@@ -107,18 +107,12 @@ def test_chi_square_sees_a_biased_sampler(tiny_base):
 
 
 def test_mixed_greedy_and_sampled_batch(tiny_base, tiny_recycling):
-    from vllm import SamplingParams
-
-    params = [
-        greedy() if i % 2 == 0
-        else SamplingParams(temperature=1.0, top_p=0.9, max_tokens=TINY_TOKENS, ignore_eos=True, seed=i)
-        for i in range(len(TINY_PROMPTS))
-    ]
-    out = token_ids(tiny_recycling.generate(TINY_PROMPTS, params, use_tqdm=False))
+    out = token_ids(tiny_recycling.generate(TINY_PROMPTS, mixed_params(), use_tqdm=False))
     for i, tokens in enumerate(out):
         assert len(tokens) == TINY_TOKENS and all(0 <= t < TINY_VOCAB for t in tokens)
         if i % 2 == 0:
             assert tokens == list(tiny_base["greedy"][i].outputs[0].token_ids), i
+    assert out == tiny_base["mixed"]  # the seeded half too: the tokens of no speculation
 
 
 def test_stop_tokens_and_max_tokens_inside_an_accepted_path(tiny_base, tiny_recycling):
@@ -206,8 +200,8 @@ def test_chi_square_sees_a_biased_tree_rule(tiny_model, tiny_base, monkeypatch):
 def test_seeded_requests_repeat_and_survive_chunked_prefill(tiny_model):
     """Seeded sampled requests whose prompts are prefilled in chunks (vLLM 0.32 on the CPU
     killed the engine there: ``patches.SeededChunkedPrefillOnCPU``): without speculation their
-    tokens are those of an unchunked run; with recycling, two fresh engines give the same
-    tokens, sampled walks through the trees included."""
+    tokens are those of an unchunked run; with recycling, chunked too, the very same tokens,
+    sampled walks through the trees included."""
     from vllm import SamplingParams
 
     prompts = random_prompts(4, seed=11, vocab_size=TINY_VOCAB, lengths=(150, 200))
@@ -223,7 +217,7 @@ def test_seeded_requests_repeat_and_survive_chunked_prefill(tiny_model):
             if spec is not None:
                 assert spec_counters(llm)["accepted"] > 0
     assert runs[0] == runs[1]
-    assert runs[2] == runs[3]
+    assert runs[2] == runs[3] == runs[0]
 
 
 def test_auto_budget_greedy_identical(tiny_model, tiny_base):
@@ -293,6 +287,7 @@ def test_preempted_requests_resume_identically(tiny_model, tiny_base, scope):
     with engine(tiny_model, speculative_config=spec, num_gpu_blocks_override=12, block_size=32,
                 max_model_len=256, max_num_seqs=16, disable_log_stats=False) as llm:
         out = token_ids(llm.generate(TINY_PROMPTS, greedy(), use_tqdm=False))
+        seeded = run_seeded(llm, batch=16)  # preempted too: the tokens of no speculation
         preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
         llm.generate(TINY_PROMPTS[:1], greedy(8), use_tqdm=False)
         (pool,) = llm.collective_rpc(
@@ -300,6 +295,7 @@ def test_preempted_requests_resume_identically(tiny_model, tiny_base, scope):
         )
     assert preemptions > 0
     assert check_greedy_identity(tiny_base["greedy"], out)["near_ties"] == []
+    assert seeded == tiny_base["seeded"]
     if scope == "overlay":
         assert pool == (1, 15)
 

@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from spec_bench import RESULTS, benchmark_questions, ensure_model_prior, run_header, write_results  # noqa: E402
+from spec_bench import benchmark_questions, ensure_model_prior, run_header, write_results  # noqa: E402
 
 NEAR_TIE = {"float32": 1e-4, "bfloat16": 0.25}
 SEEDED = dict(temperature=0.8, top_p=0.95)

@@ -358,7 +358,7 @@ def markdown(report: dict) -> str:
     rows = report["results"]
     base = next((r for r in rows if r["method"] == "none"), None)
     categories = list(rows[0]["per_category"])
-    lines = [f"# Spec-Bench through vLLM", "",
+    lines = ["# Spec-Bench through vLLM", "",
              f"{report['date']}; {report['machine']}; LD_PRELOAD {report.get('ld_preload', 'none')}; "
              f"vLLM {report['vllm']}; {report['model']} "
              f"{report['dtype']}; {report['prompts']}; up to {report['max_tokens']} new tokens; "

@@ -36,7 +36,6 @@ from vllm_recycling.budget import (
 from vllm_recycling.drafts import Context, draft
 from vllm_recycling.matrix import AdjacencyMatrix
 from vllm_recycling.step import Proposal, StepRecord
-from vllm_recycling.transfer import to_device
 from vllm_recycling.tree import HybridTree, load_tree
 
 logger = init_logger(LOGGER_NAME)

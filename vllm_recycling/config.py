@@ -16,8 +16,6 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-import torch
-
 from vllm_recycling.matrix import (
     DEFAULT_OVERLAY_ROWS,
     DEFAULT_SALT_MATRICES,

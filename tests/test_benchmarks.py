@@ -91,29 +91,21 @@ def test_figures_count_every_step():
     assert f["tokens_per_step"] == 1.0 and f["vllm_mean_acceptance_length"] is None
 
 
-def test_percentile_is_nearest_rank():
-    values = [float(v) for v in range(1, 101)]
-    assert serve_bench.percentile(values, 50) == 51.0
-    assert serve_bench.percentile(values, 99) == 99.0
-    assert serve_bench.percentile([3.0], 99) == 3.0
-    assert serve_bench.percentile([], 50) is None
-
-
-def test_output_limits_are_seeded_and_within_the_spread():
-    from types import SimpleNamespace
-
-    same = SimpleNamespace(max_tokens=48, output_spread=0.0, seed=0)
-    assert serve_bench.output_limits(same, 3) == [48, 48, 48]
-    spread = SimpleNamespace(max_tokens=48, output_spread=0.5, seed=0)
-    limits = serve_bench.output_limits(spread, 200)
-    assert limits == serve_bench.output_limits(spread, 200)  # every method gets the same list
-    assert min(limits) == 24 and max(limits) == 48
-
-
 def _level(c, tps):
     return {"concurrency": c, "requests": 8, "tokens": 100, "seconds": 1.0, "tokens_per_s": tps,
-            "ttft_p50_ms": 10.0, "ttft_p99_ms": 20.0, "itl_p50_ms": 5.0, "itl_p99_ms": 9.0,
-            "tokens_per_step": 1.5}
+            "ttft_p50_ms": 10.0, "ttft_p99_ms": 20.0, "tpot_p50_ms": 7.0, "tpot_p99_ms": 12.0,
+            "itl_p50_ms": 5.0, "itl_p99_ms": 9.0, "tokens_per_step": 1.5, "vllm_acceptance_length": 1.4}
+
+
+def test_a_level_counts_every_step_from_the_servers_counters():
+    """Tokens per step from the server's counters, every step counted (vLLM's acceptance
+    length, kept beside it, leaves out the steps that drafted nothing)."""
+    result = {"completed": 8, "total_output_tokens": 300, "duration": 2.345, "output_throughput": 127.93,
+              "p50_ttft_ms": 10.04, "p99_ttft_ms": 20.0, "p50_tpot_ms": 7.0, "p99_tpot_ms": None,
+              "p50_itl_ms": 5.0, "p99_itl_ms": 9.0, "spec_decode_acceptance_length": 2.5}
+    row = serve_bench._level_row(4, 8, result, {"accepted": 50, "tokens": 400}, {"accepted": 150, "tokens": 700})
+    assert row["tokens_per_step"] == 1.5 and row["vllm_acceptance_length"] == 2.5
+    assert (row["seconds"], row["tokens_per_s"], row["ttft_p50_ms"], row["tpot_p99_ms"]) == (2.35, 127.93, 10.0, None)
 
 
 def test_paired_ratios_cancel_a_linear_drift():
@@ -137,7 +129,7 @@ def test_serve_tables_and_plot(tmp_path):
                            "levels": [_level(1, 15.0), _level(4, 10.0)]}]}
     md = serve_bench.markdown(report)
     assert "| recycling 2.2.2 hot | 1.50x | 0.50x |" in md
-    assert "| none | 4 | 20.0 | 1.50 | 10 / 20 | 5 / 9 | 8 |" in md
+    assert "| none | 4 | 20.0 | 1.50 | 1.40 | 10 / 20 | 7 / 12 | 5 / 9 | 8 |" in md
     # a method run more than once: medians over none's median, with the range of its runs
     report["results"] += [{"method": "none", "levels": [_level(1, 12.0), _level(4, 20.0)]},
                           {"method": "none", "levels": [_level(1, 11.0)]},

@@ -9,13 +9,16 @@ from importlib import resources
 from pathlib import Path
 
 
+def shipped_sample() -> Path:
+    """The shipped sample's file (Spec-Bench's question.jsonl format: what ``vllm bench serve
+    --dataset-name spec_bench`` reads)."""
+    return Path(str(resources.files("vllm_recycling.data") / "spec_bench_sample.jsonl"))
+
+
 def spec_bench_questions(path: str | Path | None = None, per_category: int | None = None) -> list[dict]:
     """Questions in file order: dicts with question_id, category and turns; at most
     ``per_category`` from each category."""
-    if path is None:
-        text = (resources.files("vllm_recycling.data") / "spec_bench_sample.jsonl").read_text()
-    else:
-        text = Path(path).read_text()
+    text = Path(shipped_sample() if path is None else path).read_text()
     taken: dict[str, int] = defaultdict(int)
     questions = []
     for line in text.splitlines():

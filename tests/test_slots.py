@@ -80,3 +80,33 @@ def test_learn_stops_when_another_rank_decided_otherwise(monkeypatch):
     monkeypatch.setattr(adaptive_budget, "tensor_parallel_mean", lambda: two_ranks(8))
     with pytest.raises(adaptive_budget.RanksDisagree):
         budget.learn(StepRecord(("a",), NO_PROPOSAL, None), [[1]])  # step 2: they differ
+
+
+def test_ranks_that_lay_out_different_trees_stop_before_the_forward():
+    """Review A4: every rank lays the scheduled drafts out as template nodes from its own
+    proposal; before the step's forward (``begin_step``) the ranks compare those layouts, every
+    step, so ranks that would verify different trees stop there (not at the next cost
+    agreement, up to 32 steps later, or never with budget "fixed")."""
+    from proposers import begin, make_proposer
+
+    from vllm_recycling.adaptive_budget import RanksDisagree
+    from vllm_recycling.step import Proposal
+
+    def rank(nodes: list[int]):
+        proposer = make_proposer("shared", budget="auto", tree=[[0], [1], [0, 0]])
+        proposer.proposal = Proposal(sent={"a": (np.array(nodes), np.zeros(len(nodes), dtype=np.int64)),
+                                           "b": (np.array([1]), np.zeros(1, dtype=np.int64))})
+        return proposer
+
+    sent = []
+    first = rank([1, 2])
+    first.tp_mean = lambda values: sent.append(values) or values  # what rank 0 contributes
+    begin(first, ["a", "b", "c"], num_draft=[2, 1, 0])
+    assert len(sent) == 1
+    alike, other = rank([1, 2]), rank([1, 3])  # rank 1: the same layout, or node 3 for node 2
+    for proposer in (alike, other):
+        proposer.tp_mean = lambda values: (values + sent[0]) / 2
+    assert begin(alike, ["a", "b", "c"], num_draft=[2, 1, 0]) is not None
+    with pytest.raises(RanksDisagree):
+        begin(other, ["a", "b", "c"], num_draft=[2, 1, 0])
+    assert other.record is None  # stopped before the step's record, before any row ran

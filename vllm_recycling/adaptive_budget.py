@@ -289,6 +289,18 @@ def tensor_parallel_mean():
     return mean
 
 
+def layout_checked(mean: Callable[[np.ndarray], np.ndarray], nodes: list[np.ndarray]) -> None:
+    """Before a step's forward, in every rank: compare the template nodes each rank lays the
+    scheduled drafts out as (per request of the batch, from its own proposal; only rank 0's
+    tokens reach the scheduler) with every other rank's, in one all-reduce of four float64 on
+    the CPU group (``mean``: ``tensor_parallel_mean``). Ranks that would verify different trees
+    raise ``RanksDisagree`` before any row is computed (review A4: the decision digest of the
+    cost agreements finds it up to 32 steps late, and never with budget "fixed")."""
+    sizes = np.array([n.size for n in nodes], dtype=np.int64)
+    digest = zlib.crc32(np.concatenate([sizes, *nodes]).astype(np.int64).tobytes())
+    digest_checked(mean, digest)(np.zeros(0))
+
+
 class RanksDisagree(RuntimeError):
     """The ranks of a tensor-parallel group made different draft decisions."""
 

@@ -30,7 +30,7 @@ import torch
 from vllm.logger import init_logger
 
 from vllm_recycling import LOGGER_NAME
-from vllm_recycling.adaptive_budget import AdaptiveBudget, tensor_parallel_mean
+from vllm_recycling.adaptive_budget import AdaptiveBudget, layout_checked, tensor_parallel_mean
 from vllm_recycling.drafts import Context, draft
 from vllm_recycling.config import RecyclingConfig
 from vllm_recycling.matrix import AdjacencyMatrix
@@ -60,9 +60,11 @@ class RecyclingProposer:
         self.max_model_len = model_config.max_model_len
         self.device = device
         auto = self.config.budget == "auto"
+        # the tensor-parallel ranks' mean (None in a single process): what they agree through
+        self.tp_mean = tensor_parallel_mean()
         prior, self.prior_watch = None, None
         if self.config.matrix_init == "model":
-            prior, self.prior_watch = find_prior(model_config, self.config.topk, tensor_parallel_mean())
+            prior, self.prior_watch = find_prior(model_config, self.config.topk, self.tp_mean)
         initial, initial_probs = self.config.initial_matrix(vocab_size, with_probs=True) or (None, None)
         self.matrix = AdjacencyMatrix(
             vocab_size,
@@ -155,6 +157,8 @@ class RecyclingProposer:
             if self.budget is not None or self.hybrid.context_length:
                 # no record: drafts this proposer did not send (verified as chains)
                 nodes = [self.proposal.sent.get(r, (_NO_NODES,))[0] for r in self.batch]
+                if self.tp_mean is not None:  # every rank lays out the same trees, or none runs
+                    layout_checked(self.tp_mean, nodes)
             tree = self.verifier.plan(num_draft_tokens, query_start_loc, num_computed_tokens, nodes)
         ACTIVE_TREE.publish(tree)
         num_tokens, num_reqs = int(query_start_loc[-1]), len(query_start_loc) - 1

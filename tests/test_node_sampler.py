@@ -85,3 +85,49 @@ def test_each_row_is_the_plain_step_of_its_position(penalties):
     for _ in range(2):
         torch.randint(0, 2**31, (1,), generator=plain, dtype=torch.long)
     assert torch.equal(generator.get_state(), plain.get_state())
+
+
+def _runner_logitsprocs():
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
+
+    proc = MinPLogitsProcessor.__new__(MinPLogitsProcessor)  # the state expand_logitsprocs reads
+    proc.min_p, proc.min_p_count = torch.zeros(2), 0
+    return LogitsProcessors([proc])
+
+
+def test_self_check_passes_on_this_vllms_sampler():
+    from vllm.v1.sample.sampler import Sampler
+
+    from vllm_recycling.node_sampler import self_check
+
+    assert self_check(Sampler(), _runner_logitsprocs(), torch.device("cpu")) is None
+
+
+def test_self_check_names_a_noise_drawn_otherwise(monkeypatch):
+    """Review R2: a vLLM that draws its per-position seeds otherwise (a later one draws 62-bit
+    seeds) would change seeded output silently; the start-up check refuses it, and a processor
+    without the state the rows' expansion reads is named."""
+    from vllm.v1.sample.sampler import Sampler
+
+    from vllm_recycling import node_sampler
+
+    real = torch.randint
+
+    def wider(low, high, *args, **kwargs):  # what a plain step would draw from, not the node rows'
+        return real(low, 2**62 if high == 2**31 else high, *args, **kwargs)
+
+    class Plain(Sampler):
+        def forward(self, *args, **kwargs):
+            monkeypatch.setattr(torch, "randint", wider)
+            try:
+                return super().forward(*args, **kwargs)
+            finally:
+                monkeypatch.setattr(torch, "randint", real)
+
+    problem = node_sampler.self_check(Plain(), _runner_logitsprocs(), torch.device("cpu"))
+    assert problem is not None and "draws its sampling noise otherwise" in problem
+    procs = _runner_logitsprocs()
+    del procs.argmax_invariant[0].min_p_count
+    assert node_sampler.self_check(Sampler(), procs, torch.device("cpu")) == (
+        "vLLM's MinPLogitsProcessor has no min_p_count")

@@ -339,17 +339,24 @@ def test_check_drafter_refuses_a_runner_without_ours():
     (a vLLM that wraps proposers) must not start with every patch idle."""
     from types import SimpleNamespace
 
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.sampler import Sampler
+
     from vllm_recycling.patches.runner import CheckDrafter
 
     load_model = CheckDrafter.wrap(lambda worker, *args, **kwargs: "loaded")
     recycling = SimpleNamespace(additional_config={"recycling": {}})
 
     def worker(config, drafter):
-        return SimpleNamespace(vllm_config=config, model_runner=SimpleNamespace(drafter=drafter))
+        return SimpleNamespace(vllm_config=config, model_runner=SimpleNamespace(
+            drafter=drafter, rejection_sampler=SimpleNamespace(sampler=Sampler()),
+            input_batch=SimpleNamespace(logitsprocs=LogitsProcessors())))
 
     with pytest.raises(RuntimeError, match="holds the drafter Wrapper, not RecyclingProposer"):
         load_model(worker(recycling, type("Wrapper", (), {})()))
-    assert load_model(worker(recycling, make_proposer("shared"))) == "loaded"
+    ours = make_proposer("shared")
+    assert load_model(worker(recycling, ours)) == "loaded"
+    assert ours._node_sampler is not None  # built and checked at start-up (review R2)
     assert load_model(worker(SimpleNamespace(additional_config=None), None)) == "loaded"
 
 

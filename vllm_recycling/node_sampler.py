@@ -324,3 +324,70 @@ def _expand_min_tokens(proc, rows: StepRows):
         restore_logits_slice=(proc._device_tensor(restore_reqs, torch.int32),
                               proc._device_tensor(restore_toks, torch.int32)),
     )
+
+
+# What ``expand_logitsprocs`` reads of vLLM 0.32's built-in logits processors (private state).
+_PROCESSOR_STATE = {
+    "MinPLogitsProcessor": ("min_p", "min_p_count"),
+    "LogitBiasLogitsProcessor": ("biases", "bias_tensor", "logits_slice", "_device_tensor"),
+    "MinTokensLogitsProcessor": ("min_toks", "logits_slice", "restore_logits_slice", "_device_tensor"),
+}
+
+
+def self_check(sampler, logitsprocs, device) -> str | None:
+    """At start-up, against the runner's own ``Sampler`` and logits processors: None when the
+    rows of a speculative step are sampled as plain steps sample them here, else what differs
+    (review R2: the vLLM internals this module relies on, checked before serving rather than
+    failing, or changing seeded output, at the first sampled step).
+
+    It checks the private state ``expand_logitsprocs`` reads on the runner's processors, then
+    samples seeded requests (temperature, top-k) two positions deep both ways: two plain steps
+    of the runner's sampler, and one ``NodeSampler`` step over a root and a draft per request;
+    the tokens must be equal, and each generator, rewound to two emitted tokens, must be where
+    two plain steps leave it (one draw per position: the seed draw ``forward_cpu`` makes, or the
+    exponential noise ``random_sample`` draws)."""
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+
+    from vllm_recycling.paths import StepRowsOnDevice
+
+    for proc in [*logitsprocs.argmax_invariant, *logitsprocs.non_argmax_invariant]:
+        missing = [a for a in _PROCESSOR_STATE.get(type(proc).__name__, ()) if not hasattr(proc, a)]
+        if missing:
+            return f"vLLM's {type(proc).__name__} has no {', '.join(missing)}"
+    requests, vocab = 4, 512
+    host = torch.Generator().manual_seed(0)
+    logits = (torch.randn(2 * requests, vocab, generator=host) * 3).to(device)
+
+    def metadata(generators, spec=None) -> SamplingMetadata:
+        zeros = torch.zeros(requests, device=device)
+        return SamplingMetadata(
+            temperature=torch.full((requests,), 0.8, device=device), all_greedy=False, all_random=True,
+            top_p=None, top_k=torch.tensor([vocab, 50, 5, vocab], device=device), generators=generators,
+            max_num_logprobs=None, no_penalties=True, prompt_token_ids=None, frequency_penalties=zeros,
+            presence_penalties=zeros, repetition_penalties=zeros + 1, output_token_ids=[[] for _ in range(requests)],
+            allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors(),
+            spec_token_ids=spec,
+        )
+
+    def generators():
+        return {b: torch.Generator(device=device).manual_seed(1000 + b) for b in range(requests)}
+
+    plain_generators = generators()
+    plain = [sampler(logits[d::2].clone(), metadata(plain_generators)).sampled_token_ids[:, 0].tolist()
+             for d in range(2)]
+    rows = StepRows.build([1] * requests, None)
+    on_device = StepRowsOnDevice.of(rows, device)
+    node_generators = generators()
+    spec = [[int(t)] for t in plain[0]]
+    output, states = NodeSampler(sampler).sample(
+        logits.clone(), rows, on_device.row_req, on_device.depth, metadata(node_generators, spec), spec)
+    ours = output.sampled_token_ids[:, 0].tolist()
+    if ours[0::2] != plain[0] or ours[1::2] != plain[1]:
+        return (f"seeded rows sampled {ours[0::2]} / {ours[1::2]} where plain steps sample "
+                f"{plain[0]} / {plain[1]}: this vLLM draws its sampling noise otherwise")
+    states.rewind([[0, 0]] * requests)
+    for b in range(requests):
+        if not torch.equal(node_generators[b].get_state(), plain_generators[b].get_state()):
+            return "a seeded generator advances otherwise than one draw per sampled position"
+    return None

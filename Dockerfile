@@ -51,6 +51,10 @@ COPY configs ./configs
 RUN pip install ".[cpu]" \
     && pip uninstall -y torchvision torchaudio torchcodec \
     && ln -s /opt/venv/lib/libiomp5.so /usr/local/lib/libiomp5.so
+# Serve from elsewhere than the sources: vLLM's helper processes (`python -m ...`) put the working
+# directory first on sys.path, where ./vllm_recycling (without its kernels/, installed inside
+# the package) would shadow the installed package.
+WORKDIR /
 ENV LD_PRELOAD=/usr/local/lib/libtcmalloc_minimal.so.4:/usr/local/lib/libiomp5.so
 # Models and the initial matrices (and snapshots) live under /cache: a volume keeps them.
 VOLUME ["/cache"]
@@ -68,3 +72,5 @@ COPY kernels ./kernels
 COPY configs ./configs
 # --no-deps: the image's vLLM, torch and numpy stay exactly as vLLM built them.
 RUN pip install --no-cache-dir --no-deps .
+# back to the working directory of vLLM's image, not the sources' (see the CPU image)
+WORKDIR /vllm-workspace

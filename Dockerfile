@@ -6,7 +6,7 @@
 #   GPU yet: "verify": "chain" verifies the top-1 chain with any backend)
 #
 #   docker build --target cpu -t vllm-recycling:cpu .
-#   docker run -p 8000:8000 -v vllm-recycling:/cache vllm-recycling:cpu MODEL \
+#   docker run -p 8000:8000 --shm-size 4g -v vllm-recycling:/cache vllm-recycling:cpu MODEL \
 #       --speculative-config '{"method": "recycling"}'
 #
 # The GPU image keeps vLLM's entry point (`vllm serve`), so it takes exactly the arguments

@@ -11,7 +11,7 @@ compared with a server on the host.
 Extra flags for the engine (``--engine-flags``: before the subcommand, e.g. podman's runtime),
 for ``build`` (``--build-flags``: mounts, ``--build-arg``s) and for ``run`` (``--run-flags``)
 are what a machine needs and the project does not commit (docs/deployment.md, "Building
-without Docker Hub"). The container runs with the host's network (``--network host``), the
+without Docker Hub"). The container runs with the host's network (``--network host``), 4 GiB of /dev/shm, the
 model's directory mounted read-only at /model and a fresh cache volume at /cache. Writes
 ``benchmarks/results/image_<tag>.{json,md}``: the build's time, the image's size, the
 container's time to its first answer, and whether its greedy answers equal the host server's.
@@ -36,6 +36,9 @@ from spec_bench import RESULTS, run_header  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 IMAGE = "vllm-recycling:cpu"
 SPEC = {"method": "recycling"}
+# vLLM's engine process shares its inputs with the worker through /dev/shm (160 MiB here); an
+# engine's default of 64 MiB refuses to start ("Insufficient space in /dev/shm").
+SHM = "4g"
 SERVER_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048"]
 # The README's request, and a second one streamed.
 MESSAGES = [{"role": "user", "content": "What is speculative decoding?"}]
@@ -99,7 +102,7 @@ def run_container(args, model_dir: Path, log_path: Path) -> dict:
     url = f"http://127.0.0.1:{port}"
     name = f"vllm-recycling-bench-{port}"
     with tempfile.TemporaryDirectory(prefix="image-cache-") as cache:
-        cmd = [*engine_cmd(args), "run", "--rm", "--name", name, "--network", "host",
+        cmd = [*engine_cmd(args), "run", "--rm", "--name", name, "--network", "host", "--shm-size", SHM,
                "-v", f"{model_dir}:/model:ro", "-v", f"{cache}:/cache", *shlex.split(args.run_flags), IMAGE,
                "/model", "--served-model-name", args.model, *SERVER_ARGS, "--port", str(port),
                "--speculative-config", json.dumps(SPEC)]

@@ -58,7 +58,9 @@ def build(args) -> float:
         print("$", " ".join(cmd), flush=True)
         started = time.monotonic()
         subprocess.run(cmd, check=True)
-        return time.monotonic() - started
+        seconds = time.monotonic() - started
+        print(f"built in {seconds:.0f} s", flush=True)
+        return seconds
 
 
 def image_size(args) -> int:

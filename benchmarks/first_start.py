@@ -103,7 +103,7 @@ def one_run(port: int, after_s: float, limit_s: float, model: str = "smollm2", d
             text = log_path.read_text(errors="replace")
             if "first_rows_s" not in times and "initial matrix taken in" in text:
                 times["first_rows_s"] = time.monotonic() - start  # its first rows: the common tokens
-            if "prior_cached_s" not in times and re.search(r"initial matrix of .* computed in", text):
+            if "prior_cached_s" not in times and re.search(r"initial matrix of \S+ computed in [\d.]+ s", text):
                 times["prior_cached_s"] = time.monotonic() - start
             if "taken_in_s" not in times and re.search(r"taken in up to token (\d+) of \1 ", text):
                 times["taken_in_s"] = time.monotonic() - start

@@ -223,8 +223,9 @@ def start_prior(engine_args, model_config, topk: int, background: bool) -> subpr
         return None
     logger.info(
         "recycling: serving now with empty matrix rows; the initial matrix of %s is computed in "
-        "the background (about 2 minutes for a 135M model on 2 cores) and taken in when ready "
-        "(cached at %s; `vllm-recycling warm` computes it ahead of time)", model_config.model, path,
+        "the background, common tokens first, and taken in as its rows come (its progress and the "
+        "time left follow in this log; cached at %s; `vllm-recycling warm` computes it ahead of "
+        "time)", model_config.model, path,
     )
     argv = _child_argv(engine_args, topk, path, "log", parent=os.getpid(), nice=NICE)
     return watch(subprocess.Popen(argv, env=_child_env(), stdin=subprocess.DEVNULL), str(model_config.model))

@@ -20,18 +20,22 @@ import datetime
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from vllm_recycling.cpu_attention import move_slots, tree_attention_cpu
-from vllm_recycling.kernels import native
-from vllm_recycling.kernels.context_match import context_match
-from vllm_recycling.paths import ChainPlan, choose_paths, compaction
-from vllm_recycling.tree import load_tree
-from vllm_recycling.tree_step import TreeLayout, TreeStep
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from spec_bench import cpu_model  # noqa: E402
+
+from vllm_recycling.cpu_attention import move_slots, tree_attention_cpu  # noqa: E402
+from vllm_recycling.kernels import native  # noqa: E402
+from vllm_recycling.kernels.context_match import context_match  # noqa: E402
+from vllm_recycling.paths import ChainPlan, choose_paths, compaction  # noqa: E402
+from vllm_recycling.tree import load_tree  # noqa: E402
+from vllm_recycling.tree_step import TreeLayout, TreeStep  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HEADS, KV_HEADS, HEAD_DIM, LAYERS, VOCAB, BLOCK = 9, 3, 64, 30, 49152, 128
@@ -132,7 +136,7 @@ def main() -> None:
         lines.append(f"| {row['requests']} | " + " | ".join(f"{row[k]:.2f}" for k in keys) + " |")
         print(lines[-1], flush=True)
     threads = torch.get_num_threads()
-    machine = (f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} ({threads} "
+    machine = (f"{platform.machine()}, {os.cpu_count()} CPUs ({cpu_model()}), torch {torch.__version__} ({threads} "
                f"thread{'s' if threads != 1 else ''})")
     header = (f"# A tree step's host work on the CPU path, ms per step\n\n{datetime.date.today().isoformat()}; "
               f"{machine}; {NODES + 1}-row trees over {PREFIX}-token prefixes, SmolLM2-135M shapes. "

@@ -113,7 +113,8 @@ def one_run(port: int, after_s: float, limit_s: float, model: str = "smollm2", d
             phase = "after" if "taken_in_s" in times else "during" if "prior_cached_s" not in times else None
             if phase:
                 answers[phase].append(result)
-        lines = [line for line in log_path.read_text(errors="replace").splitlines() if "initial matrix" in line]
+        lines = [line.replace(str(work), "<run dir>")  # no machine paths in results
+                 for line in log_path.read_text(errors="replace").splitlines() if "initial matrix" in line]
     finally:
         for sig in (signal.SIGTERM, signal.SIGKILL):
             try:

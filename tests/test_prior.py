@@ -322,7 +322,7 @@ def test_progress_writes_a_line_at_most_every_progress_s_the_engine_start_includ
     from vllm_recycling import warm
 
     monkeypatch.setattr(warm, "PROGRESS_EVERY_S", 0.2)
-    progress = warm._Progress("log", 0, "m")
+    progress = warm._Progress(False, 0, "m")
     progress.log.addHandler(caplog.handler)
     try:
         time.sleep(0.5)  # the lock: another process computes it

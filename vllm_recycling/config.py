@@ -20,6 +20,7 @@ from vllm_recycling.matrix import (
     DEFAULT_OVERLAY_ROWS,
     DEFAULT_SALT_MATRICES,
     SCOPES,
+    Scope,
     SnapshotError,
     load_snapshot,
 )
@@ -125,7 +126,7 @@ class RecyclingConfig:
             raise _field_error(
                 "salt_matrices", salts, f"expected an integer from 1 to {MAX_SALT_MATRICES}"
             )
-        if salts != DEFAULT_SALT_MATRICES and self.matrix_scope != "salt":
+        if salts != DEFAULT_SALT_MATRICES and self.matrix_scope != Scope.SALT:
             raise _field_error(
                 "salt_matrices", salts, f"it only applies to matrix_scope 'salt', not {self.matrix_scope!r}"
             )
@@ -134,7 +135,7 @@ class RecyclingConfig:
                 raise _field_error(
                     "matrix_snapshot", self.matrix_snapshot, "expected a file path (a string)"
                 )
-            if self.matrix_scope == "per_request":
+            if self.matrix_scope == Scope.PER_REQUEST:
                 raise _field_error(
                     "matrix_snapshot", self.matrix_snapshot,
                     "a snapshot holds the shared matrix; it needs matrix_scope 'shared', 'overlay' "

@@ -37,6 +37,7 @@ snapshot replaces the initial content of the shared matrix with a warm one saved
 
 from __future__ import annotations
 
+import enum
 import os
 import tempfile
 from collections import OrderedDict
@@ -50,7 +51,24 @@ from vllm_recycling.kernels.draft_tree import Overlay, draft_tree
 from vllm_recycling.kernels.topk_update import topk_update
 from vllm_recycling.transfer import to_device
 
-SCOPES = ("shared", "per_request", "overlay", "salt")
+
+
+class Scope(enum.StrEnum):
+    """Whose rows a request reads and writes (the module's docstring); its value is the
+    config's ``matrix_scope``."""
+
+    SHARED = "shared"
+    PER_REQUEST = "per_request"
+    OVERLAY = "overlay"
+    SALT = "salt"
+
+    @property
+    def has_overlay(self) -> bool:
+        """Whether each live request keeps rows of its own in front of a shared matrix."""
+        return self in (Scope.OVERLAY, Scope.SALT)
+
+
+SCOPES = tuple(scope.value for scope in Scope)  # the config's spellings
 DEFAULT_SALT_MATRICES = 16
 # Where the engine core records a request's cache_salt for the workers (SamplingParams.extra_args).
 CACHE_SALT_KEY = "vllm_recycling.cache_salt"
@@ -80,7 +98,7 @@ class AdjacencyMatrix:
         self,
         vocab_size: int,
         topk: int = 8,
-        scope: str = "shared",
+        scope: Scope | str = Scope.SHARED,
         max_requests: int = 1,
         device: torch.device | str = "cpu",
         initial: torch.Tensor | None = None,
@@ -98,18 +116,19 @@ class AdjacencyMatrix:
         there); without either, every entry is token 0."""
         if scope not in SCOPES:
             raise ValueError(f"matrix scope {scope!r}: expected one of {', '.join(SCOPES)}")
+        scope = Scope(scope)
         if vocab_size < 1 or not 1 <= topk <= vocab_size:
             raise ValueError(f"need vocab_size >= 1 and 1 <= topk <= vocab_size, got {vocab_size}, {topk}")
-        if scope != "shared" and max_requests < 1:
+        if scope != Scope.SHARED and max_requests < 1:
             raise ValueError(f"{scope} scope needs max_requests >= 1, got {max_requests}")
-        if scope in ("overlay", "salt") and (overlay_rows < 1 or overlay_rows & (overlay_rows - 1)):
+        if scope.has_overlay and (overlay_rows < 1 or overlay_rows & (overlay_rows - 1)):
             raise ValueError(f"overlay_rows must be a power of two, got {overlay_rows}")
-        if scope == "salt" and salt_matrices < 1:
+        if scope == Scope.SALT and salt_matrices < 1:
             raise ValueError(f"salt scope needs salt_matrices >= 1, got {salt_matrices}")
         self.vocab_size = vocab_size
         self.topk = topk
         self.scope = scope
-        slots = 1 if scope == "shared" else max_requests
+        slots = 1 if scope == Scope.SHARED else max_requests
         # What a new matrix starts from (a per-request one, a salt's): the prior, or zeros.
         self.fresh = torch.zeros((vocab_size, topk), dtype=torch.int32, device=device)
         self.fresh_probs = torch.zeros((vocab_size, topk), dtype=torch.float16, device=device)
@@ -127,11 +146,10 @@ class AdjacencyMatrix:
                 unwritten = (initial_table == 0).all(-1, keepdim=True)
                 initial_table = torch.where(unwritten, self.fresh, initial_table)
                 start_probs = torch.where(unwritten, self.fresh_probs, start_probs)
-        has_overlay = scope in ("overlay", "salt")
-        self.overlay_rows = overlay_rows if has_overlay else 0
-        self.salt_matrices = salt_matrices if scope == "salt" else 0
+        self.overlay_rows = overlay_rows if scope.has_overlay else 0
+        self.salt_matrices = salt_matrices if scope == Scope.SALT else 0
         self.keys: torch.Tensor | None = None  # overlay, salt: [slots * R + 1] int32, -1 = empty
-        if has_overlay:
+        if scope.has_overlay:
             salts = self.fresh.repeat(self.salt_matrices, 1)
             extra = torch.zeros((slots * overlay_rows + 1, topk), dtype=torch.int32, device=device)
             self.table = torch.cat([initial_table, salts, extra])
@@ -147,7 +165,7 @@ class AdjacencyMatrix:
         self.probs: torch.Tensor | None = None
         if with_probs:
             self.probs = torch.zeros(self.table.shape, dtype=torch.float16, device=device)
-            matrices = 1 + self.salt_matrices if has_overlay else slots
+            matrices = 1 + self.salt_matrices if scope.has_overlay else slots
             self.probs[: vocab_size] = start_probs
             self.probs[vocab_size : matrices * vocab_size] = self.fresh_probs.repeat(matrices - 1, 1)
         self._free = list(range(slots - 1, -1, -1))
@@ -167,7 +185,7 @@ class AdjacencyMatrix:
     def allocate(self, request_id: str, salt: str | None = None) -> int:
         """Give a request its slot (per_request: a fresh one, reset to the prior or zeros;
         salt scope: also its salt's matrix, see ``matrix_of``)."""
-        if self.scope == "shared":
+        if self.scope == Scope.SHARED:
             return 0
         if request_id in self._slot_of:
             if self._matrix_of.get(request_id) == NO_MATRIX:
@@ -183,7 +201,7 @@ class AdjacencyMatrix:
         else:
             self._reset(slot)
         self._slot_of[request_id] = slot
-        if self.scope == "salt":
+        if self.scope == Scope.SALT:
             self._request_salt[request_id] = salt
             self._take_salt_matrix(request_id, salt)
         return slot
@@ -262,9 +280,9 @@ class AdjacencyMatrix:
         """[B] int64 slot of each request (allocated), on the table's device; salt scope:
         [B, 2], the slot and ``matrix_of``; None for the shared scope. What ``draft`` and
         ``update`` take."""
-        if self.scope == "shared":
+        if self.scope == Scope.SHARED:
             return None
-        if self.scope == "salt":
+        if self.scope == Scope.SALT:
             pairs = [(self._slot_of[r], self._matrix_of[r]) for r in request_ids]
             return to_device(np.array(pairs, dtype=np.int64).reshape(-1, 2), torch.int64, self.device)
         slots = np.array([self._slot_of[r] for r in request_ids], dtype=np.int64)
@@ -276,12 +294,12 @@ class AdjacencyMatrix:
         overlay a ``kernels.draft_tree.Overlay``: a request's entry for token t is
         ``key_base + (t & (R - 1))``, read at table row ``offset + entry`` when ``keys[entry] == t``.
         """
-        if slots is None or self.scope == "shared":
+        if slots is None or self.scope == Scope.SHARED:
             return None, None
-        if self.scope == "per_request":
+        if self.scope == Scope.PER_REQUEST:
             return slots * self.vocab_size, None
         offset = (1 + self.salt_matrices) * self.vocab_size
-        if self.scope == "salt":
+        if self.scope == Scope.SALT:
             return slots[:, 1] * self.vocab_size, Overlay(
                 self.keys, slots[:, 0] * self.overlay_rows, offset, self.overlay_rows
             )
@@ -312,7 +330,7 @@ class AdjacencyMatrix:
         tokens = tokens.long()
         row_base, overlay = self.lookup(slots)
         rows = tokens if row_base is None else tokens + row_base[:, None]
-        if self.scope == "salt":  # requests without a matrix write to the scratch row
+        if self.scope == Scope.SALT:  # requests without a matrix write to the scratch row
             rows = torch.where(row_base[:, None] < 0, self.table.shape[0] - 1, rows)
         if overlay is None:
             return topk_update(logits, rows.reshape(-1), self.table, probs=self.probs)
@@ -351,7 +369,7 @@ class AdjacencyMatrix:
         """Write the shared matrix atomically (temp file + rename) as a .safetensors snapshot,
         with its rows' confidences when it has them (salt scope: the salts' matrices are not
         saved)."""
-        if self.scope == "per_request":
+        if self.scope == Scope.PER_REQUEST:
             raise SnapshotError("snapshots hold the shared matrix; scope is per_request")
         from safetensors.torch import save_file
 

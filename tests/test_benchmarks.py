@@ -10,6 +10,7 @@ import pytest
 from vllm_recycling.tools.prompts import seeded_sample, spec_bench_questions
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import revisions  # noqa: E402
 import serve_bench  # noqa: E402
 import snapshot_restart  # noqa: E402
 import spec_bench  # noqa: E402
@@ -257,3 +258,34 @@ def test_snapshot_restart_table_only_is_a_version_1_snapshot(tmp_path):
                           "restored": {"tokens_per_step": 1.2, "tokens": 6, "accepted": 1, "drafts": 1,
                                        "draft_tokens": 2}}}
     assert "| restored | 1.200 | 0.800x | 6 | 1 | 1 | 2 |" in snapshot_restart.markdown(report)
+
+
+def test_revisions_stage_a_commit_as_the_installed_package(tmp_path):
+    """A staged revision is what a process with it first on PYTHONPATH imports: its package,
+    kernels and configs, not this checkout's editable install."""
+    commit, site = revisions.stage("HEAD", tmp_path / "head")
+    assert len(commit) == 40
+    assert (site / "vllm_recycling" / "kernels" / "native.c").is_file()
+    assert (site / "vllm_recycling" / "configs").is_dir()
+    assert not (site / "vllm_recycling" / "kernels" / "__pycache__").exists()
+
+
+def test_revisions_verdict_is_against_the_base_rounds_spread():
+    base = revisions.summary([{"tokens_per_step": 1.9, "tokens_per_s": 25.0, "answers_sha256": "a"},
+                              {"tokens_per_step": 1.8, "tokens_per_s": 23.0, "answers_sha256": "a"}])
+    within = revisions.summary([{"tokens_per_step": 1.85, "tokens_per_s": 23.5, "answers_sha256": "a"}])
+    slower = revisions.summary([{"tokens_per_step": 1.85, "tokens_per_s": 22.0, "answers_sha256": "b"}])
+    assert base["tokens_per_s"] == {"rounds": [25.0, 23.0], "mean": 24.0, "min": 23.0, "max": 25.0}
+    assert revisions.verdicts(base, within) == {"tokens_per_step": "within or above",
+                                                "tokens_per_s": "within or above"}
+    assert revisions.verdicts(base, slower)["tokens_per_s"] == "slower"
+    report = {"date": "d", "machine": "m", "ld_preload": "none", "vllm": "0.32.0", "model": "x",
+              "dtype": "bfloat16", "method": "recycling auto", "prompts": "p", "max_tokens": 8,
+              "order": "o", "command": "c", "base": {"rev": "B", "commit": "1" * 40},
+              "head": {"rev": "H", "commit": "2" * 40},
+              "configurations": [{"batch": 8, "temperature": 1.0, "base": base, "head": slower,
+                                  "verdict": revisions.verdicts(base, slower)}]}
+    md = revisions.markdown(report)
+    assert "| 8 | 1 | base | 1.900 / 1.800 | 1.850 | 25.0 / 23.0 | 24.0 | a |  |" in md
+    assert "| 8 | 1 | head | 1.850 | 1.850 | 22.0 | 22.0 | b | tokens_per_step: within or above, " \
+           "tokens_per_s: slower |" in md

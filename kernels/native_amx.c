@@ -91,6 +91,9 @@ void amx_values(const uint16_t *pb, int64_t ls, const uint16_t *vpage, int64_t b
             for (int64_t u = 0; u < 16; u++)
                 for (int64_t e = 0; e < 32; e++) dst[u * 32 + e] = 2 * u + e % 2 < cut ? src[u * 32 + e] : 0;
         }
+    /* GCC's tile loads are asm that does not say it reads memory: the stores to tail must not
+     * move past them */
+    __asm__ volatile("" ::: "memory");
     for (int64_t g = 0; g < D / 16; g += 2) {
         _tile_loadd(4, acc + g * 16, as);
         _tile_loadd(5, acc + (g + 1) * 16, as);

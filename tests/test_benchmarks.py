@@ -271,10 +271,16 @@ def test_revisions_stage_a_commit_as_the_installed_package(tmp_path):
 
 
 def test_revisions_verdict_is_against_the_base_rounds_spread():
-    base = revisions.summary([{"tokens_per_step": 1.9, "tokens_per_s": 25.0, "answers_sha256": "a"},
-                              {"tokens_per_step": 1.8, "tokens_per_s": 23.0, "answers_sha256": "a"}])
-    within = revisions.summary([{"tokens_per_step": 1.85, "tokens_per_s": 23.5, "answers_sha256": "a"}])
-    slower = revisions.summary([{"tokens_per_step": 1.85, "tokens_per_s": 22.0, "answers_sha256": "b"}])
+    def run(per_step, per_s, answers):
+        return {"tokens_per_step": per_step, "tokens_per_s": per_s, "answers_sha256": answers}
+
+    base_runs = [run(1.9, 25.0, ["a", "b", "c"]), run(1.8, 23.0, ["a", "x", "c"])]
+    base = revisions.summary(base_runs)
+    within = revisions.summary([run(1.85, 23.5, ["a", "b", "c"])])
+    slower_runs = [run(1.85, 22.0, ["a", "b", "y"])]
+    slower = revisions.summary(slower_runs)
+    assert base["same_answer"] == 2 and slower["same_answer"] == 3
+    assert revisions.same_answers(base_runs + slower_runs) == 1
     assert base["tokens_per_s"] == {"rounds": [25.0, 23.0], "mean": 24.0, "min": 23.0, "max": 25.0}
     assert revisions.verdicts(base, within) == {"tokens_per_step": "within or above",
                                                 "tokens_per_s": "within or above"}
@@ -284,8 +290,9 @@ def test_revisions_verdict_is_against_the_base_rounds_spread():
               "order": "o", "command": "c", "base": {"rev": "B", "commit": "1" * 40},
               "head": {"rev": "H", "commit": "2" * 40},
               "configurations": [{"batch": 8, "temperature": 1.0, "base": base, "head": slower,
-                                  "verdict": revisions.verdicts(base, slower)}]}
+                                  "verdict": revisions.verdicts(base, slower), "prompts": 3,
+                                  "same_answer_both": 1}]}
     md = revisions.markdown(report)
-    assert "| 8 | 1 | base | 1.900 / 1.800 | 1.850 | 25.0 / 23.0 | 24.0 | a |  |" in md
-    assert "| 8 | 1 | head | 1.850 | 1.850 | 22.0 | 22.0 | b | tokens_per_step: within or above, " \
-           "tokens_per_s: slower |" in md
+    assert "| 8 | 1 | base | 1.900 / 1.800 | 1.850 | 25.0 / 23.0 | 24.0 | 2 of 3 |  |" in md
+    assert "| 8 | 1 | head | 1.850 | 1.850 | 22.0 | 22.0 | 3 of 3 (1 in both revisions' rounds) | " \
+           "tokens_per_step: within or above, tokens_per_s: slower |" in md

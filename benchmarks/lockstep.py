@@ -32,7 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_bench import output_limits  # noqa: E402
-from spec_bench import RESULTS, run_header, speculative_config  # noqa: E402
+from spec_bench import run_header, speculative_config, write_results  # noqa: E402
 
 METHODS = ("none", "recycling auto")
 
@@ -155,9 +155,7 @@ def main() -> None:
                   f"(seed {args.seed})"),
         "results": rows,
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"lockstep_{args.tag}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (RESULTS / f"lockstep_{args.tag}.md").write_text(markdown(report))
+    write_results(f"lockstep_{args.tag}", report, markdown)
     print("\n" + markdown(report))
 
 

@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from spec_bench import RESULTS, ensure_model_prior, run_header, speculative_config  # noqa: E402
+from spec_bench import ensure_model_prior, run_header, speculative_config, write_results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 FIGURES = ("tokens_per_step", "tokens_per_s")
@@ -176,9 +176,7 @@ def main() -> None:
         report["configurations"].append({"batch": batch, "temperature": temperature, "base": base,
                                          "head": head, "verdict": verdicts(base, head),
                                          "prompts": both[0]["prompts"], "same_answer_both": same_answers(both)})
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"revisions_{args.tag}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (RESULTS / f"revisions_{args.tag}.md").write_text(markdown(report))
+    write_results(f"revisions_{args.tag}", report, markdown)
     print("\n" + markdown(report))
 
 

@@ -351,12 +351,13 @@ def run_header(script: str, model: str) -> dict:
     }
 
 
-def write_results(name: str, report: dict, markdown, plot) -> None:
-    """benchmarks/results/<name>.{json,md,png}."""
+def write_results(name: str, report: dict, markdown, plot=None) -> None:
+    """benchmarks/results/<name>.{json,md}, and .png with a ``plot``."""
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
     (RESULTS / f"{name}.md").write_text(markdown(report))
-    plot(report, RESULTS / f"{name}.png")
+    if plot is not None:
+        plot(report, RESULTS / f"{name}.png")
 
 
 def markdown(report: dict) -> str:

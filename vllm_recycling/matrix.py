@@ -52,7 +52,6 @@ from vllm_recycling.kernels.topk_update import topk_update
 from vllm_recycling.transfer import to_device
 
 
-
 class Scope(enum.StrEnum):
     """Whose rows a request reads and writes (the module's docstring); its value is the
     config's ``matrix_scope``."""

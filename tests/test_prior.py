@@ -350,7 +350,8 @@ def test_engine_serves_before_and_after_its_prior_arrives(tiny_model, tiny_base,
     background computation is held back by holding its lock, as a concurrent engine would."""
     pytest.importorskip("vllm")
     import engines
-    from vllm_recycling.warm import _locked
+    from vllm_recycling.files import FileLock
+    from vllm_recycling.warm import lock_path
 
     monkeypatch.setenv("VLLM_RECYCLING_CACHE", str(tmp_path / "cache"))
     vocab, k = engines.TINY_VOCAB, 8
@@ -363,7 +364,7 @@ def test_engine_serves_before_and_after_its_prior_arrives(tiny_model, tiny_base,
         return (worker.model_runner.drafter.prior_watch is not None,
                 m.table[:vocab].clone(), m.probs[:vocab].clone())
 
-    with _locked(path.with_name(path.name + ".lock")):
+    with FileLock(lock_path(path)):
         with engines.engine(tiny_model, speculative_config={"method": "recycling"}) as llm:
             llm.collective_rpc(engines.pin_step_cost(1e-4))
             before = llm.generate(engines.TINY_PROMPTS, engines.greedy(), use_tqdm=False)

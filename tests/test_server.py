@@ -305,7 +305,8 @@ def held_prior(tiny_model, tmp_path_factory):
     lock of its initial matrix held, so that the server's background computation of it waits
     until ``test_server_survives_a_failed_computation_and_takes_a_matrix_in_later`` kills it."""
     from vllm_recycling.prior import prior_path
-    from vllm_recycling.warm import _locked
+    from vllm_recycling.files import FileLock
+    from vllm_recycling.warm import lock_path
 
     cache = tmp_path_factory.mktemp("cache")
     (cache / "models").mkdir()
@@ -316,7 +317,7 @@ def held_prior(tiny_model, tmp_path_factory):
         path = prior_path(str(cache / "models" / MODEL), None, TINY_VOCAB, 8)
     finally:
         os.environ.pop("VLLM_RECYCLING_CACHE") if old is None else os.environ.update(VLLM_RECYCLING_CACHE=old)
-    lock = _locked(path.with_name(path.name + ".lock")).__enter__()
+    lock = FileLock(lock_path(path)).__enter__()
     yield cache, path, lock
     lock.__exit__()
 

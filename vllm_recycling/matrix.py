@@ -38,14 +38,14 @@ snapshot replaces the initial content of the shared matrix with a warm one saved
 from __future__ import annotations
 
 import enum
-import os
-import tempfile
 from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
 import torch
 
+# remove_stale_temporaries: what start-up calls on the snapshot's folder (slots.MatrixSlots)
+from vllm_recycling.files import atomic_save_safetensors, remove_stale_temporaries  # noqa: F401
 from vllm_recycling.kernels import native
 from vllm_recycling.kernels.draft_tree import Overlay, draft_tree
 from vllm_recycling.kernels.topk_update import topk_update
@@ -370,48 +370,16 @@ class AdjacencyMatrix:
         saved)."""
         if self.scope == Scope.PER_REQUEST:
             raise SnapshotError("snapshots hold the shared matrix; scope is per_request")
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         meta = {
             "format": SNAPSHOT_FORMAT,
             "version": SNAPSHOT_VERSION,
             "vocab_size": str(self.vocab_size),
             "topk": str(self.topk),
         }
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_temp_prefix(path), suffix=".tmp")
-        os.close(fd)
-        try:
-            tensors = {SNAPSHOT_KEY: self.table[: self.vocab_size].cpu().contiguous()}
-            if self.probs is not None:
-                tensors[SNAPSHOT_PROBS_KEY] = self.probs[: self.vocab_size].cpu().contiguous()
-            save_file(tensors, tmp, metadata=meta)
-            with open(tmp, "rb") as f:  # on disk before it replaces the previous snapshot
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-
-
-def remove_stale_temporaries(path: str | Path) -> list[Path]:
-    """Delete the temporary files that saves of snapshot ``path`` left behind when their
-    process was killed mid-write (the snapshot itself is never partial: a save renames a
-    complete file over it). Called at start-up; returns what it deleted."""
-    path = Path(path)
-    removed = []
-    for tmp in path.parent.glob(f"{_temp_prefix(path)}*.tmp"):
-        try:
-            tmp.unlink()
-            removed.append(tmp)
-        except OSError:
-            pass
-    return removed
-
-
-def _temp_prefix(path: Path) -> str:
-    return f".{path.name}."
+        tensors = {SNAPSHOT_KEY: self.table[: self.vocab_size].cpu().contiguous()}
+        if self.probs is not None:
+            tensors[SNAPSHOT_PROBS_KEY] = self.probs[: self.vocab_size].cpu().contiguous()
+        atomic_save_safetensors(path, tensors, meta)
 
 
 def load_snapshot(path: str | Path, vocab_size: int, topk: int, with_probs: bool = False):

@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +35,8 @@ from typing import Callable
 
 import numpy as np
 import torch
+
+from vllm_recycling.files import atomic_save_safetensors
 
 PRIOR_FORMAT = "vllm-recycling-prior"
 PRIOR_VERSION = "2"
@@ -115,29 +116,17 @@ def prior_path(model: str, revision: str | None, vocab_size: int, topk: int) -> 
 
 def save_prior(path: Path, table: torch.Tensor, probs: torch.Tensor, model: str, seconds: float,
                rows: int | None = None) -> None:
-    """Write the prior atomically (a temporary file in the same folder, fsync, rename); rows: the
-    leading token ids computed so far (None: all of them)."""
-    from safetensors.torch import save_file
-
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write the prior atomically (``files.atomic_save_safetensors``), readable by every user;
+    rows: the leading token ids computed so far (None: all of them)."""
     rows = table.shape[0] if rows is None else rows
     meta = {
         "format": PRIOR_FORMAT, "version": PRIOR_VERSION, "model": model, "context": CONTEXT,
         "vocab_size": str(table.shape[0]), "topk": str(table.shape[1]),
         "compute_seconds": f"{seconds:.1f}", "rows": str(rows),
     }
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file({"table": table.to(torch.int32).contiguous().cpu(),
-                   "probs": probs.to(torch.float16).contiguous().cpu()}, tmp, metadata=meta)
-        os.chmod(tmp, 0o644)  # a cache others read (mkstemp makes it private)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    tensors = {"table": table.to(torch.int32).contiguous().cpu(),
+               "probs": probs.to(torch.float16).contiguous().cpu()}
+    atomic_save_safetensors(path, tensors, meta, readable=True)
 
 
 def load_prior(path: Path, vocab_size: int, topk: int) -> Prior:

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from vllm_recycling import LOGGER_NAME
+from vllm_recycling.files import FileLock
 from vllm_recycling.prior import CONTEXT, Prior, PriorError, load_complete_prior, load_prior, prior_path, save_prior
 
 # Engine arguments the prior's engine takes from the serving engine's (the model and how it is
@@ -264,6 +265,11 @@ def _child_env() -> dict[str, str]:
     return {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
 
 
+def lock_path(path: Path) -> Path:
+    """The lock beside the prior file ``path`` that its computation holds."""
+    return path.with_name(path.name + ".lock")
+
+
 def _loads(path: Path, vocab_size: int, topk: int, logger) -> bool:
     """Whether the complete prior is in ``path``; a partial one is resumed, a bad one replaced."""
     try:
@@ -273,27 +279,6 @@ def _loads(path: Path, vocab_size: int, topk: int, logger) -> bool:
         if path.exists():
             logger.warning("recycling: %s; computing %s", e, "the rest" if "so far" in str(e) else "it again")
         return False
-
-
-class _locked:
-    """An advisory file lock (POSIX); elsewhere nothing, the atomic write keeps the file sound."""
-
-    def __init__(self, path: Path) -> None:
-        self.path, self.file = path, None
-
-    def __enter__(self):
-        try:
-            import fcntl
-        except ImportError:
-            return self
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = open(self.path, "a")
-        fcntl.flock(self.file, fcntl.LOCK_EX)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.file is not None:
-            self.file.close()
 
 
 class _Progress:
@@ -390,7 +375,7 @@ def main(argv=None) -> int:
         os.nice(args.nice)
     kwargs, path = json.loads(args.engine_args), Path(args.out)
     progress = _Progress(args.progress == "bar", args.parent, str(kwargs["model"]))
-    with _locked(path.with_name(path.name + ".lock")):  # another process computing it: wait
+    with FileLock(lock_path(path)):  # another process computing it: wait
         resume = None
         if path.exists():
             try:

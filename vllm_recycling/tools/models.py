@@ -36,7 +36,6 @@ imported lazily inside the builders.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -51,8 +50,9 @@ from dataclasses import dataclass
 from importlib import metadata as importlib_metadata
 from importlib import util as importlib_util
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
+from vllm_recycling.files import FileLock
 from vllm_recycling.prior import cache_root  # one cache root for models and priors
 
 __all__ = [
@@ -145,25 +145,6 @@ def is_prepared(name: str, cache_dir: str | os.PathLike[str] | None = None) -> b
     return marker is not None and marker.get("recipe") == recipe.version
 
 
-@contextlib.contextmanager
-def _exclusive(lock_path: Path) -> Iterator[bool]:
-    """An advisory lock, so that concurrent preparations of one model build it once.
-
-    Yields whether the lock is really held (not on systems without ``fcntl``).
-    """
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: the atomic rename still keeps the cache sound
-        yield False
-        return
-    with open(lock_path, "a+b") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield True
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
-
-
 def _remove_stale_builds(models_dir: Path, name: str) -> None:
     """Remove the temporary directories of builds of ``name`` that were killed midway."""
     for pattern in (f".{name}.tmp-*", f".{name}.old-*"):
@@ -184,10 +165,11 @@ def prepare_model(name: str, cache_dir: str | os.PathLike[str] | None = None) ->
     if is_prepared(name, cache_dir):
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive(final.parent / f".{name}.lock") as locked:
+    # concurrent preparations of one model build it once
+    with FileLock(final.parent / f".{name}.lock") as lock:
         if is_prepared(name, cache_dir):  # another process finished it meanwhile
             return final
-        if locked:  # no one else is building this model now
+        if lock.held:  # no one else is building this model now
             _remove_stale_builds(final.parent, name)
         # Raise a missing source before creating anything.
         recipe.check_available()

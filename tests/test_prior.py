@@ -193,24 +193,76 @@ def test_prior_watch_looks_at_most_every_poll_s(tmp_path, monkeypatch):
     assert watch.poll() is None  # then not before POLL_S has passed
 
 
-def _two_ranks(other_rows: list[float]):
-    """all_reduce_mean of this rank with another whose loaded rows are other_rows[0]."""
-    return lambda x: (x + np.array([other_rows[0], other_rows[0] ** 2])) / 2
+def test_prior_watch_tries_a_file_that_failed_to_load_again(tmp_path, monkeypatch):
+    """Review B3: a version of the file that failed to load once (a transient read error) is
+    tried again, at most every RETRY_S; once the complete file is taken, the file is not
+    looked at any more."""
+    from types import SimpleNamespace
+
+    clock = [100.0]
+    monkeypatch.setattr(prior_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(prior_module, "POLL_S", 0.0)
+    path = tmp_path / "p.safetensors"
+    save_prior(path, *_prior(), "m", 1.0)
+    real, calls = prior_module.load_prior, []
+
+    def flaky(*args):
+        calls.append(args)
+        if len(calls) == 1:
+            raise PriorError("prior: unreadable (Input/output error)")
+        return real(*args)
+
+    monkeypatch.setattr(prior_module, "load_prior", flaky)
+    watch = PriorWatch(path, 16, 4)
+    assert watch.poll() is None and len(calls) == 1
+    clock[0] += prior_module.RETRY_S - 1
+    assert watch.poll() is None and len(calls) == 1  # the same file: not before RETRY_S
+    clock[0] += 1
+    got = watch.poll()
+    assert got is not None and got.complete and len(calls) == 2
+    watch.took(got)
+    assert watch.done
+    watch.path = SimpleNamespace(stat=lambda: pytest.fail("looked at the file after taking all of it"))
+    assert watch.poll() is None and len(calls) == 2
+
+
+def _two_ranks(other_rows: list[int]):
+    """all_reduce_mean of this rank with another whose loaded rows are other_rows[0]: the mean
+    of what this rank sends and what the other sends through the same ``ranks_agree``."""
+
+    def mean(values):
+        theirs = []
+        prior_module.ranks_agree(lambda sent: theirs.append(sent) or sent, other_rows[0])
+        return (values + theirs[0]) / 2
+
+    return mean
+
+
+def test_ranks_agree_exactly():
+    """Review D2: ranks whose row counts differ by 1 do not agree (a variance test with a
+    tolerance of 0.5 let them pass)."""
+    assert prior_module.ranks_agree(_two_ranks([16]), 16)
+    assert prior_module.ranks_agree(_two_ranks([-1]), -1)
+    assert not prior_module.ranks_agree(_two_ranks([15]), 16)
+    assert not prior_module.ranks_agree(_two_ranks([151935]), 151936)
+    assert not prior_module.ranks_agree(_two_ranks([-1]), 0)
 
 
 def test_tensor_parallel_ranks_take_the_same_rows_at_the_same_step(tmp_path):
     """With several ranks, a rank that has loaded more rows waits for the others: the rows
     each rank loaded are compared every POLL_STEPS steps and taken when every rank has the same."""
     path = tmp_path / "p.safetensors"
-    other = [0.0]
+    other = [0]
     watch = PriorWatch(path, 16, 4, all_reduce_mean=_two_ranks(other))
     save_prior(path, *_prior(), "m", 1.0)
     steps = prior_module.POLL_STEPS
     assert all(watch.poll() is None for _ in range(steps - 1))
     assert watch.poll() is None  # this rank has 16 rows, the other none yet
-    other[0] = 6.0
+    other[0] = 6
     assert all(watch.poll() is None for _ in range(steps))  # the other has 6: still different
-    other[0] = 16.0
+    other[0] = 15
+    assert all(watch.poll() is None for _ in range(steps))  # 15: still different
+    other[0] = 16
     assert all(watch.poll() is None for _ in range(steps - 1))  # only at agreement steps
     assert watch.poll().rows == 16
 
@@ -225,9 +277,11 @@ def test_ranks_that_find_different_files_at_start_up_all_watch(tmp_path, monkeyp
     config = SimpleNamespace(model="m", revision=None, get_vocab_size=lambda: 16)
     path = prior_module.prior_path("m", None, 16, 4)
     save_prior(path, *_prior(), "m", 1.0)
-    prior, watch = prior_module.find_prior(config, 4, all_reduce_mean=_two_ranks([-1.0]))  # the other: none
+    prior, watch = prior_module.find_prior(config, 4, all_reduce_mean=_two_ranks([-1]))  # the other: none
     assert prior is None and watch is not None and watch.taken == 0
-    prior, watch = prior_module.find_prior(config, 4, all_reduce_mean=_two_ranks([16.0]))
+    prior, watch = prior_module.find_prior(config, 4, all_reduce_mean=_two_ranks([15]))  # the other: 15 rows
+    assert prior is None and watch is not None and watch.taken == 0
+    prior, watch = prior_module.find_prior(config, 4, all_reduce_mean=_two_ranks([16]))
     assert prior.complete and watch is None
     prior, watch = prior_module.find_prior(config, 4)  # one rank
     assert prior.complete and watch is None

@@ -48,11 +48,19 @@ POLL_S = 1.0
 # Tensor-parallel ranks take the prior in at the same step: they compare readiness every this
 # many steps (an all-reduce of one number; none once it is in).
 POLL_STEPS = 32
+# A version of the prior file that failed to load is tried again at most this often.
+RETRY_S = 30.0
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 
 
 class PriorError(ValueError):
-    """A prior file that cannot be used: unreadable, corrupt, or for another model."""
+    """A prior file that cannot be used: unreadable, corrupt, or for another model; ``partial``:
+    a sound file whose computation is not finished (``load_complete_prior``), which a
+    computation resumes rather than starts again."""
+
+    def __init__(self, message: str, partial: bool = False) -> None:
+        super().__init__(message)
+        self.partial = partial
 
 
 @dataclass(frozen=True)
@@ -129,10 +137,10 @@ def save_prior(path: Path, table: torch.Tensor, probs: torch.Tensor, model: str,
     atomic_save_safetensors(path, tensors, meta, readable=True)
 
 
-def load_prior(path: Path, vocab_size: int, topk: int) -> Prior:
-    """The prior in ``path``, complete or partial (``Prior.rows``; files written before partial
-    saves existed are complete); ``PriorError`` naming what is wrong when the file is
-    unreadable, corrupt or made for another vocabulary or k."""
+def read_prior(path: Path) -> Prior:
+    """The prior in ``path`` as the file holds it, complete or partial (``Prior.rows``; files
+    written before partial saves existed are complete), its vocabulary and k the file's own;
+    ``PriorError`` naming what is wrong when the file is unreadable or corrupt."""
     from safetensors import SafetensorError, safe_open
 
     try:
@@ -143,12 +151,11 @@ def load_prior(path: Path, vocab_size: int, topk: int) -> Prior:
         raise PriorError(f"prior {path}: unreadable ({e})") from e
     if meta.get("format") != PRIOR_FORMAT or meta.get("version") != PRIOR_VERSION:
         raise PriorError(f"prior {path}: not a version {PRIOR_VERSION} {PRIOR_FORMAT} file")
-    if tuple(table.shape) != (vocab_size, topk) or tuple(probs.shape) != (vocab_size, topk):
-        raise PriorError(
-            f"prior {path}: shape {tuple(table.shape)}, expected ({vocab_size}, {topk})"
-        )
+    if table.dim() != 2 or tuple(probs.shape) != tuple(table.shape):
+        raise PriorError(f"prior {path}: shapes {tuple(table.shape)}, {tuple(probs.shape)}")
     if table.dtype != torch.int32 or probs.dtype != torch.float16:
         raise PriorError(f"prior {path}: dtypes {table.dtype}, {probs.dtype}")
+    vocab_size = table.shape[0]
     if table.numel() and (int(table.min()) < 0 or int(table.max()) >= vocab_size):
         raise PriorError(f"prior {path}: token ids outside the vocabulary")
     if not bool(torch.isfinite(probs).all()) or float(probs.min()) < 0 or float(probs.max()) > 1:
@@ -162,11 +169,19 @@ def load_prior(path: Path, vocab_size: int, topk: int) -> Prior:
     return Prior(table, probs, rows)
 
 
+def load_prior(path: Path, vocab_size: int, topk: int) -> Prior:
+    """``read_prior``, and ``PriorError`` for a file made for another vocabulary or k."""
+    prior = read_prior(path)
+    if tuple(prior.table.shape) != (vocab_size, topk):
+        raise PriorError(f"prior {path}: shape {tuple(prior.table.shape)}, expected ({vocab_size}, {topk})")
+    return prior
+
+
 def load_complete_prior(path: Path, vocab_size: int, topk: int) -> Prior:
     """``load_prior``, and ``PriorError`` for a partial one."""
     prior = load_prior(path, vocab_size, topk)
     if not prior.complete:
-        raise PriorError(f"prior {path}: {prior.rows} of {vocab_size} rows computed so far")
+        raise PriorError(f"prior {path}: {prior.rows} of {vocab_size} rows computed so far", partial=True)
     return prior
 
 
@@ -178,8 +193,11 @@ class PriorWatch:
     path: the prior file; taken: the rows taken in at start-up; all_reduce_mean: averages a
     small host array over the tensor-parallel ranks (None in a single process). In a single
     process the file is looked at every ``POLL_S`` seconds; with several ranks every
-    ``POLL_STEPS`` steps, and rows are taken in only when every rank has loaded the same ones,
-    so that the ranks' matrices (and so the budget's choices) stay the same."""
+    ``POLL_STEPS`` steps, and rows are taken in only when every rank has loaded the same ones
+    (``ranks_agree``), so that the ranks' matrices (and so the budget's choices) stay the same.
+    A version of the file (its modification time and size) that failed to load is tried again
+    at most every ``RETRY_S`` seconds (a transient read error, or a file replaced while it was
+    read); once the complete file is loaded the file is not looked at again."""
 
     def __init__(self, path: Path, vocab_size: int, topk: int, taken: int = 0,
                  all_reduce_mean: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
@@ -187,7 +205,9 @@ class PriorWatch:
         self.all_reduce_mean = all_reduce_mean
         self.taken = taken
         self.loaded: Prior | None = None
-        self._seen: tuple[int, int] | None = None  # (mtime, size) of the file last tried
+        self._seen: tuple[int, int] | None = None  # (mtime, size) of the file last loaded
+        self._failed: tuple[int, int] | None = None  # ... of the file last failed to load
+        self._retry_at = 0.0  # when the failed one is tried again
         self._steps = 0
         self._next_look = 0.0
 
@@ -199,6 +219,8 @@ class PriorWatch:
         self.taken = prior.rows
 
     def poll(self) -> Prior | None:
+        if self.done:
+            return None
         self._steps += 1
         if self.all_reduce_mean is None:
             now = time.monotonic()
@@ -210,24 +232,43 @@ class PriorWatch:
         if self._steps % POLL_STEPS:
             return None
         self._look()
-        rows = float(self.loaded.rows if self.loaded is not None else self.taken)
-        mean, square = self.all_reduce_mean(np.array([rows, rows * rows]))
-        if abs(float(square) - float(mean) ** 2) > 0.5 or rows <= self.taken:  # ranks differ, or nothing new
+        rows = self.loaded.rows if self.loaded is not None else self.taken
+        if not ranks_agree(self.all_reduce_mean, rows) or rows <= self.taken:  # ranks differ, or nothing new
             return None
         return self.loaded
 
     def _look(self) -> None:
+        if self.loaded is not None and self.loaded.complete:
+            return  # nothing more to come
         try:
             stat = self.path.stat()
         except OSError:
             return
         seen = (stat.st_mtime_ns, stat.st_size)
-        if seen != self._seen:  # a file not tried yet (more rows, or an old corrupt one replaced)
-            self._seen = seen
-            try:
-                self.loaded = load_prior(self.path, self.vocab_size, self.topk)
-            except PriorError:
-                pass
+        if seen == self._seen:
+            return
+        now = time.monotonic()
+        if seen == self._failed and now < self._retry_at:
+            return
+        try:
+            self.loaded = load_prior(self.path, self.vocab_size, self.topk)
+        except PriorError:
+            self._failed, self._retry_at = seen, now + RETRY_S
+            return
+        self._seen = seen
+
+
+def ranks_agree(all_reduce_mean: Callable[[np.ndarray], np.ndarray], rows: int) -> bool:
+    """Whether every tensor-parallel rank holds the same number ``rows`` (>= -1), exactly:
+    ``adaptive_budget.digest_checked``'s comparison of a digest over the ranks, in one
+    all-reduce of four float64 that every rank makes alike."""
+    from vllm_recycling.adaptive_budget import RanksDisagree, digest_checked
+
+    try:
+        digest_checked(all_reduce_mean, rows + 1)(np.zeros(0))
+    except RanksDisagree:
+        return False
+    return True
 
 
 def find_prior(model_config, topk: int, all_reduce_mean=None) -> tuple[Prior | None, PriorWatch | None]:
@@ -241,11 +282,9 @@ def find_prior(model_config, topk: int, all_reduce_mean=None) -> tuple[Prior | N
         prior = load_prior(path, vocab_size, topk)
     except PriorError:
         prior = None
-    if all_reduce_mean is not None:  # every rank starts from the rows all of them loaded
-        rows = float(prior.rows if prior is not None else -1)
-        mean, square = all_reduce_mean(np.array([rows, rows * rows]))
-        if abs(float(square) - float(mean) ** 2) > 0.5:
-            prior = None
+    # every rank starts from the rows all of them loaded
+    if all_reduce_mean is not None and not ranks_agree(all_reduce_mean, prior.rows if prior is not None else -1):
+        prior = None
     if prior is not None and prior.complete:
         return prior, None
     return prior, PriorWatch(path, vocab_size, topk, 0 if prior is None else prior.rows, all_reduce_mean)

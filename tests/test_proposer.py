@@ -197,6 +197,36 @@ def test_proposer_tree_step_from_plain_values():
         ACTIVE_TREE.clear()
 
 
+def test_load_model_verifies_the_chain_where_the_layers_rule_trees_out(monkeypatch):
+    """The worker's start-up check sees the attention layers vLLM built; a refusal goes through
+    the front end's decision (``support.chain_instead``): an unset verify drafts the chain,
+    an explicit "tree" refuses to start."""
+    from dataclasses import replace
+
+    from vllm_recycling import support
+    from vllm_recycling.support import TreesUnsupported
+
+    def refuse(vllm_config, model):
+        raise TreesUnsupported("sliding-window attention ((511, 0))")
+
+    decided = []
+    real = support.chain_instead
+    monkeypatch.setattr("vllm_recycling.proposer.chain_instead",
+                        lambda *a, **kw: decided.append(a[1].why) or real(*a, **kw))
+    proposer = make_proposer("shared", tree=[[0], [1], [0, 0]])
+    monkeypatch.setattr(proposer.verifier, "check_support", refuse)
+    proposer.load_model(None)
+    assert decided == ["sliding-window attention ((511, 0))"]
+    assert proposer.config.verify == "chain" and proposer.verifier is None
+    assert [list(p) for p in proposer.template.paths] == [[0] * d for d in range(1, 7)]  # the top-1 chain
+
+    proposer = make_proposer("shared", tree=[[0], [1], [0, 0]])
+    proposer.config = replace(proposer.config, verify="tree")
+    monkeypatch.setattr(proposer.verifier, "check_support", refuse)
+    with pytest.raises(TreesUnsupported, match=r"not available here: sliding-window attention \(\(511, 0\)\)"):
+        proposer.load_model(None)
+
+
 def test_proposer_starts_from_the_snapshot(tmp_path):
     import numpy as np
     import torch

@@ -89,8 +89,10 @@ class RecyclingConfig:
         matches are accepted. False: the matrix's tree alone.
     verify: "tree": the tree's nodes are drafted and verified in one forward pass; "chain":
         the matrix's top-1 chain, verified by vLLM's rejection sampler as it is. None (the
-        default): "tree" where tree verification is supported (``support.check_tree_support``,
-        at start-up), else "chain", said once in the log; an explicit "tree" is refused there.
+        default): "tree" where tree verification is supported, else "chain", said once in the
+        log; an explicit "tree" is refused there. Both decided at start-up, from the model's
+        config in the front end (``support.trees_in_front_end``, before any engine setting is
+        touched), then from the attention layers vLLM built (``support.check_tree_support``).
     num_speculative_tokens: tokens drafted per step. verify="tree": the first that many nodes
         of the template in breadth-first order (a smaller tree); None means all of them.
         verify="chain": the chain length (1..16); None means 6. (verify unset: as for "tree".)

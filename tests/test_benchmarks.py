@@ -296,3 +296,45 @@ def test_revisions_verdict_is_against_the_base_rounds_spread():
     assert "| 8 | 1 | base | 1.900 / 1.800 | 1.850 | 25.0 / 23.0 | 24.0 | 2 of 3 |  |" in md
     assert "| 8 | 1 | head | 1.850 | 1.850 | 22.0 | 22.0 | 3 of 3 (1 in both revisions' rounds) | " \
            "tokens_per_step: within or above, tokens_per_s: slower |" in md
+
+
+def test_write_results_replaces_each_file_whole(tmp_path, monkeypatch):
+    """Each file is written to a temporary in the results folder and renamed over the old one:
+    until the rename the previous file is whole, and a failed write leaves it (review D7: a
+    killed run truncated the previous results)."""
+    import os
+
+    monkeypatch.setattr(spec_bench, "RESULTS", tmp_path)
+    for suffix in (".json", ".md", ".png"):
+        (tmp_path / f"r{suffix}").write_text("old")
+    replaced = []
+    real_replace = os.replace
+
+    def replace(src, dst):
+        src, dst = Path(src), Path(dst)
+        # the previous file is still whole; the new one waits beside it, same suffix
+        replaced.append((dst.name, dst.read_text(), src.parent == tmp_path, src.suffix))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+
+    def plot(report, path):
+        assert path.suffix == ".png" and path != tmp_path / "r.png"
+        path.write_bytes(b"png")
+
+    spec_bench.write_results("r", {"a": 1}, lambda report: "# table\n", plot)
+    assert replaced == [("r.json", "old", True, ".json"), ("r.md", "old", True, ".md"),
+                        ("r.png", "old", True, ".png")]
+    assert (tmp_path / "r.json").read_text() == '{\n  "a": 1\n}\n'
+    assert (tmp_path / "r.md").read_text() == "# table\n"
+    assert (tmp_path / "r.png").read_bytes() == b"png"
+    assert (tmp_path / "r.md").stat().st_mode & 0o777 == 0o644
+
+    def broken(report, path):
+        path.write_bytes(b"half a pl")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        spec_bench.write_results("r", {"a": 2}, lambda report: "# new\n", broken)
+    assert (tmp_path / "r.png").read_bytes() == b"png"  # the previous plot, whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.md", "r.png"]  # no temporary left

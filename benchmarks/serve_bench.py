@@ -43,7 +43,8 @@ from spec_bench import (  # noqa: E402
     RESULTS, METHODS, ensure_model_prior, run_header, speculative_config, write_results,
 )
 
-SERVER_ARGS = ["--enforce-eager", "--max-model-len", "2048", "--max-num-seqs", "64"]
+# Every server's arguments, after --dtype and before --server-args (``server_args``).
+SERVER_ARGS = ("--enforce-eager", "--max-model-len", "2048", "--max-num-seqs", "64")
 DEFAULT_METHODS = ",".join(["none", "ngram tuned", "suffix", "recycling chain6 hot",
                             "recycling tree16 hot", "recycling tree32 hot", "recycling 2.2.2 hot"])
 
@@ -69,9 +70,16 @@ def harness(server, method: str, c: int, n: int, args, questions_path: str, out:
     return json.loads(out.read_text())
 
 
-def run_method(method: str, args, questions_path: str, log_dir: Path, run: int = 1) -> dict:
-    """One method at every level, each on a fresh server; ``run``: its place in the order run
-    (names the servers' logs and vLLM's result files, so a method listed twice keeps both)."""
+def server_args(dtype: str, extra: str = "") -> list[str]:
+    """The arguments every server of a run gets: ``--dtype``, ``SERVER_ARGS``, then
+    ``--server-args``'s (a new list: the module's constant stays as it is)."""
+    return ["--dtype", dtype, *SERVER_ARGS, *shlex.split(extra)]
+
+
+def run_method(method: str, args, argv: list[str], questions_path: str, log_dir: Path, run: int = 1) -> dict:
+    """One method at every level, each on a fresh server started with ``argv`` (``server_args``);
+    ``run``: its place in the order run (names the servers' logs and vLLM's result files, so a
+    method listed twice keeps both)."""
     spec = speculative_config(method)
     rows = []
     for c in args.concurrency:
@@ -83,7 +91,7 @@ def run_method(method: str, args, questions_path: str, log_dir: Path, run: int =
         log_path = log_dir / f"{run}_{method.replace(' ', '_').replace(':', '_')}_c{c}.log"
         # 4 GiB of KV cache unless the environment sets its own.
         env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
-        with Server(args.model, SERVER_ARGS, spec, log_path, env) as server:
+        with Server(args.model, argv, spec, log_path, env) as server:
             n = min(args.max_requests, max(args.min_requests, 2 * c))
             before = server.metrics()
             result = harness(server, method, c, n, args, questions_path, log_path.with_suffix(".json"))
@@ -158,8 +166,7 @@ def main() -> None:
         plot(report, RESULTS / f"serve_bench_{args.tag}.png")
         return
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
-    SERVER_ARGS[:0] = ["--dtype", args.dtype]
-    SERVER_ARGS.extend(shlex.split(args.server_args))
+    argv = server_args(args.dtype, args.server_args)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for method in methods:
         try:
@@ -177,22 +184,22 @@ def main() -> None:
     for i, method in enumerate(methods, 1):
         print(f"[{i}/{len(methods)}] {method}", flush=True)
         try:
-            rows.append(run_method(method, args, questions_path, log_dir, i))
+            rows.append(run_method(method, args, argv, questions_path, log_dir, i))
         except Exception as e:  # keep the other methods' results; the server logs stay
             rows.append({"method": method, "speculative_config": speculative_config(method),
                          "error": f"{type(e).__name__}: {e}; server logs in {log_dir}",
                          "levels": []})
             print(f"{method} failed: {rows[-1]['error']}", flush=True)
         print(_table(rows[-1:]), flush=True)
-        _write(args, rows)
+        _write(args, argv, rows)
     print("\n" + markdown(json.loads((RESULTS / f"serve_bench_{args.tag}.json").read_text())))
 
 
-def _write(args, rows) -> None:
+def _write(args, argv: list[str], rows) -> None:
     """The results so far (after every method, so a crash keeps what ran)."""
     report = {
         **run_header("serve_bench.py", args.model),
-        "server_args": SERVER_ARGS,
+        "server_args": argv,
         "prompts": "`vllm bench serve` (vLLM's harness) with its spec_bench dataset over "
                    + ("the shipped 52-question Spec-Bench sample" if args.questions is None
                       else f"{_count_questions(args.questions)} questions of {Path(args.questions).name}")

@@ -338,3 +338,36 @@ def test_write_results_replaces_each_file_whole(tmp_path, monkeypatch):
         spec_bench.write_results("r", {"a": 2}, lambda report: "# new\n", broken)
     assert (tmp_path / "r.png").read_bytes() == b"png"  # the previous plot, whole
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.md", "r.png"]  # no temporary left
+
+
+def test_serve_bench_main_leaves_the_module_server_args_alone(tmp_path, monkeypatch):
+    """Two runs in one process give their servers the same arguments (review D7: main
+    prepended --dtype and appended --server-args to the module's list, so a second call
+    carried the first one's)."""
+    import vllm_recycling.tools.models as models
+
+    before = list(serve_bench.SERVER_ARGS)
+    started, written = [], []
+
+    def run_method(method, args, *rest):
+        # the servers' arguments: what this run passes, or (before the fix) the module's list
+        started.append(list(rest[0]) if isinstance(rest[0], list) else list(serve_bench.SERVER_ARGS))
+        return {"method": method, "speculative_config": None, "levels": []}
+
+    monkeypatch.setattr(serve_bench, "run_method", run_method)
+    monkeypatch.setattr(serve_bench, "_write", lambda args, *rest: written.append(rest))
+    monkeypatch.setattr(serve_bench, "ensure_model_prior", lambda model, dtype: None)
+    monkeypatch.setattr(models, "prepare_model", lambda name: tmp_path)
+    monkeypatch.setattr(serve_bench.tempfile, "mkdtemp", lambda prefix: str(tmp_path))
+    monkeypatch.setattr(serve_bench, "RESULTS", tmp_path)
+    (tmp_path / "serve_bench_t.json").write_text("{}")
+    monkeypatch.setattr(serve_bench, "markdown", lambda report: "")
+    argv = ["serve_bench.py", "--methods", "none", "--dtype", "float32", "--tag", "t",
+            "--server-args", "--no-async-scheduling --seed 3"]
+    monkeypatch.setattr(sys, "argv", argv)
+    serve_bench.main()
+    serve_bench.main()
+    expected = ["--dtype", "float32", *before, "--no-async-scheduling", "--seed", "3"]
+    assert started == [expected, expected]
+    assert list(serve_bench.SERVER_ARGS) == before
+    assert serve_bench.server_args("bfloat16") == ["--dtype", "bfloat16", *before]

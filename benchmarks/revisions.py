@@ -1,6 +1,7 @@
-"""Nothing slower: one method measured on two revisions of the plugin, in alternating rounds.
+"""Is head slower than base? One method measured on two revisions of the plugin, in alternating
+rounds.
 
-    python benchmarks/revisions.py --base REV [--head HEAD] [--rounds 3]
+    python benchmarks/revisions.py --base REV [--head HEAD] [--rounds 3] [--tolerance 0.05]
         [--model qwen2.5-coder-0.5b] [--dtype bfloat16] [--batches 1,8] [--temperatures 0,1]
         [--method "recycling auto"] [--per-category 1] [--max-tokens 128] [--tag TAG]
 
@@ -8,18 +9,33 @@ Each revision is taken from git (``git archive``, committed code only) and laid 
 installed package is (``vllm_recycling/`` with ``kernels/`` and ``configs/`` inside it) in a
 temporary folder put first on ``PYTHONPATH``, so vLLM's plugin entry point imports that
 revision's code, and its C kernels compile from its own sources. Every measurement is one
-``spec_bench.py`` worker (this tree's: one fresh engine, the same prompts, batch and sampling
-for both revisions); round r runs base then head when r is even, head then base when odd
+``spec_bench.py`` worker (one fresh engine, the same prompts, batch and sampling for both
+revisions); round r runs base then head when r is even, head then base when odd
 (A B B A A B ...), each configuration (batch x temperature) in turn, one process at a time.
+The worker is this tree's ``spec_bench.py`` for both revisions, run against the base
+revision's package too: an API of the plugin that the worker uses and the base revision lacks
+fails the run.
 
 Per configuration and revision: tokens per step (every step counted) and output tokens/s of
 every round, and how many prompts got the same answer (token ids) in every round, and in every
 round of both revisions. The adaptive budget verifies trees of different sizes from one run to
 the next (it follows the step times measured), and in bfloat16 another batch shape can flip a
 near-tie of the target's logits, so an answer can differ between two runs of one revision; an
-answer that differs only between revisions would say the code changed the output. The verdict
-per figure: head's mean is at least base's lowest round ("within the spread"), or it is named
-slower.
+answer that differs only between revisions would say the code changed the output.
+
+The verdict per figure (``paired``) is a paired comparison over the rounds: in each round the
+two revisions ran back to back (A B / B A / A B ...), so each round gives one ratio head / base
+of two runs close in time (the machine's speed drifts over a long invocation), and the
+alternating order cancels a steady drift over pairs of rounds. Over the rounds' ratios, their mean and
+its one-sided 95% Student-t bounds (``mean -/+ t(0.95, rounds - 1) * stdev / sqrt(rounds)``)
+give, with the tolerance ``--tolerance`` (default 5%):
+
+- "not slower": lower bound at least 1 - tolerance and upper bound at least 1;
+- "slower within tolerance": lower bound at least 1 - tolerance, upper bound below 1;
+- "slower": lower bound below 1 - tolerance, upper bound below 1;
+- "inconclusive": lower bound below 1 - tolerance, upper bound at least 1 (the rounds spread
+  too much to tell: run more rounds);
+- "too few rounds": one round has no spread to test.
 
 Writes benchmarks/results/revisions_<tag>.{json,md}.
 """
@@ -28,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -42,6 +59,12 @@ from spec_bench import ensure_model_prior, run_header, speculative_config, write
 
 ROOT = Path(__file__).resolve().parent.parent
 FIGURES = ("tokens_per_step", "tokens_per_s")
+TOLERANCE = 0.05
+# One-sided 95% quantiles of Student's t for 1..30 degrees of freedom; more rounds use 30's
+# (larger than theirs: the bounds come out a little wider, never narrower).
+T95 = (6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812,
+       1.796, 1.782, 1.771, 1.761, 1.753, 1.746, 1.740, 1.734, 1.729, 1.725,
+       1.721, 1.717, 1.714, 1.711, 1.708, 1.706, 1.703, 1.701, 1.699, 1.697)
 
 
 def stage(rev: str, into: Path) -> tuple[str, Path]:
@@ -92,27 +115,64 @@ def same_answers(runs: list[dict]) -> int:
     return sum(len(set(d)) == 1 for d in zip(*(r["answers_sha256"] for r in runs)))
 
 
-def verdicts(base: dict, head: dict) -> dict:
-    """Per figure: head's mean at least base's lowest round ('within or above'), else 'slower'."""
-    return {key: ("within or above" if head[key]["mean"] >= base[key]["min"] else "slower")
-            for key in FIGURES}
+def paired(base_rounds: list[float], head_rounds: list[float], tolerance: float = TOLERANCE) -> dict:
+    """The ratio head / base of each round (both measured back to back in it), their mean, its
+    one-sided 95% Student-t bounds and the verdict (the rule is in the module's docstring)."""
+    if len(base_rounds) != len(head_rounds) or not base_rounds:
+        raise ValueError(f"rounds do not pair: {len(base_rounds)} base, {len(head_rounds)} head")
+    ratios = [h / b for b, h in zip(base_rounds, head_rounds)]
+    n, mean = len(ratios), statistics.fmean(ratios)
+    if n < 2:
+        return {"ratios": ratios, "mean": mean, "low": None, "high": None, "verdict": "too few rounds"}
+    half = T95[min(n - 1, len(T95)) - 1] * statistics.stdev(ratios) / math.sqrt(n)
+    low, high = mean - half, mean + half
+    if low >= 1 - tolerance:
+        verdict = "not slower" if high >= 1 else "slower within tolerance"
+    else:
+        verdict = "inconclusive" if high >= 1 else "slower"
+    return {"ratios": ratios, "mean": mean, "low": low, "high": high, "verdict": verdict}
+
+
+def verdicts(base: dict, head: dict, tolerance: float = TOLERANCE) -> dict:
+    """Per figure: ``paired`` over the two revisions' rounds (in round order)."""
+    return {key: paired(base[key]["rounds"], head[key]["rounds"], tolerance) for key in FIGURES}
+
+
+def _verdict_cell(verdict: dict) -> str:
+    """'tokens_per_step: not slower (0.98, 0.95-1.01), ...': the verdict, the mean ratio and its
+    bounds, per figure."""
+    cells = []
+    for key, v in verdict.items():
+        bounds = "" if v["low"] is None else f", {v['low']:.3f}-{v['high']:.3f}"
+        cells.append(f"{key}: {v['verdict']} ({v['mean']:.3f}{bounds})")
+    return ", ".join(cells)
 
 
 def markdown(report: dict) -> str:
-    lines = ["# Nothing slower: two revisions in alternating rounds", "",
+    tolerance = report["tolerance"]
+    lines = ["# Two revisions in alternating rounds: is head slower?", "",
              f"{report['date']}; {report['machine']}; LD_PRELOAD {report['ld_preload']}; "
              f"vLLM {report['vllm']}; {report['model']} {report['dtype']}; method "
              f"`{report['method']}`; {report['prompts']}; up to {report['max_tokens']} new tokens; "
              f"order of each round: {report['order']}. Command: `{report['command']}`.", "",
              f"base {report['base']['rev']} ({report['base']['commit'][:10]}), head "
              f"{report['head']['rev']} ({report['head']['commit'][:10]}).", "",
+             "Verdict per figure, a paired comparison over the rounds: each round ran both revisions "
+             "back to back (A B / B A / A B ...) and gives one ratio head / base; over the rounds, "
+             "the ratios' mean and its one-sided 95% Student-t bounds. \"not slower\": lower bound "
+             f"at least {1 - tolerance:g} (a tolerance of {tolerance:.0%}) and upper bound at least 1; "
+             "\"slower within tolerance\": lower bound at least "
+             f"{1 - tolerance:g}, upper below 1; \"slower\": lower bound below {1 - tolerance:g}, upper "
+             f"below 1; \"inconclusive\": lower bound below {1 - tolerance:g}, upper at least 1 (more "
+             "rounds would tell).", "",
              "| batch | temperature | revision | tokens per step (rounds) | mean | tokens/s (rounds) "
-             "| mean | same answer in every round | verdict |",
+             f"| mean | same answer in every round | verdict: head / base per round, mean (95% bounds), "
+             f"tolerance {tolerance:.0%} |",
              "|---|---|---|---|---|---|---|---|---|"]
     for c in report["configurations"]:
         for name in ("base", "head"):
             s = c[name]
-            verdict = ", ".join(f"{k}: {v}" for k, v in c["verdict"].items()) if name == "head" else ""
+            verdict = _verdict_cell(c["verdict"]) if name == "head" else ""
             same = f"{s['same_answer']} of {c['prompts']}"
             if name == "head":
                 same += f" ({c['same_answer_both']} in both revisions' rounds)"
@@ -138,7 +198,11 @@ def main() -> None:
     parser.add_argument("--per-category", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--tag", default="cpu")
+    parser.add_argument("--tolerance", type=float, default=TOLERANCE,
+                        help="how much slower (a fraction) head may be and still be 'not slower'")
     args = parser.parse_args()
+    if not 0 <= args.tolerance < 1:
+        parser.error(f"--tolerance {args.tolerance} is not a fraction in [0, 1)")
     speculative_config(args.method)  # a bad name fails here, before anything runs
     configs = [(int(b), float(t)) for b in args.batches.split(",") for t in args.temperatures.split(",")]
     ensure_model_prior(args.model, args.dtype)
@@ -164,6 +228,7 @@ def main() -> None:
     report = {
         **run_header("revisions.py", args.model),
         "dtype": args.dtype, "method": args.method, "max_tokens": args.max_tokens,
+        "tolerance": args.tolerance,
         "prompts": f"Spec-Bench turns[0], the shipped sample, {args.per_category} per category "
                    "drawn with seed 0 (spec_bench.py's; sampled runs: prompt i seeded with i)",
         "order": "base, head in odd rounds, head, base in even ones, every configuration in turn",
@@ -174,7 +239,7 @@ def main() -> None:
         both = runs[("base", (batch, temperature))] + runs[("head", (batch, temperature))]
         base, head = (summary(runs[(n, (batch, temperature))]) for n in ("base", "head"))
         report["configurations"].append({"batch": batch, "temperature": temperature, "base": base,
-                                         "head": head, "verdict": verdicts(base, head),
+                                         "head": head, "verdict": verdicts(base, head, args.tolerance),
                                          "prompts": both[0]["prompts"], "same_answer_both": same_answers(both)})
     write_results(f"revisions_{args.tag}", report, markdown)
     print("\n" + markdown(report))

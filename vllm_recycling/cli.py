@@ -44,7 +44,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 
 def _add_model_command(subparsers: argparse._SubParsersAction) -> None:
-    from .tools.models import KNOWN_MODELS
+    from .tools.models import KNOWN_MODELS, describe
 
     parser = subparsers.add_parser(
         "model",
@@ -55,7 +55,8 @@ def _add_model_command(subparsers: argparse._SubParsersAction) -> None:
             "$XDG_CACHE_HOME/vllm-recycling, else ~/.cache/vllm-recycling."
         ),
     )
-    parser.add_argument("name", metavar="NAME", choices=KNOWN_MODELS, help=f"one of: {', '.join(KNOWN_MODELS)}")
+    listing = "; ".join(f"{name} ({describe(name)})" for name in KNOWN_MODELS)
+    parser.add_argument("name", metavar="NAME", choices=KNOWN_MODELS, help=f"one of: {listing}")
     parser.add_argument("--cache-dir", default=None, help="cache root to use instead of the default")
     parser.set_defaults(handler=_run_model)
 

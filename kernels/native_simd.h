@@ -1,6 +1,5 @@
-/* Vector helpers shared by the CPU kernels (native.c, and native_attention.c, native_amx.c and
- * native_kv_moves.c through native_attention.h): GCC / Clang vector extensions of LANES floats,
- * any ISA; -march=native picks the instructions. */
+/* Vector helpers of the matrix update's C kernel (native.c): GCC / Clang vector extensions of
+ * LANES floats, any ISA; -march=native picks the instructions. */
 #ifndef RC_NATIVE_SIMD_H
 #define RC_NATIVE_SIMD_H
 

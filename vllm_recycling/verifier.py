@@ -16,7 +16,6 @@ from typing import Callable
 import numpy as np
 import torch
 
-from vllm_recycling.cpu_attention import PagedKV
 from vllm_recycling.paths import (
     ChainPlan, StepRows, StepRowsOnDevice, choose_paths, compaction, tree_paths, walk_sampled,
 )
@@ -33,8 +32,8 @@ class TreeVerifier:
         self.layout = TreeLayout.from_template(template, device)
         self.device = device
         # where accepted nodes' keys and values move (kv_caches, src, dst): the paged caches of
-        # the attention the tree pass runs on, from check_support
-        self.move_kv: Callable[[list[torch.Tensor], torch.Tensor, torch.Tensor], None] = PagedKV().move
+        # the attention the tree pass runs on, in their layout, from check_support
+        self.move_kv: Callable[[list[torch.Tensor], torch.Tensor, torch.Tensor], None] = _layout_unknown
 
     def check_support(self, vllm_config, model) -> None:
         """At start-up: refuse a set-up tree verification cannot serve exactly
@@ -146,3 +145,7 @@ def verify_sampled(node_sampler, tree: TreeStep | None, logits: torch.Tensor, to
     if tree is not None:
         path = tree_paths(tree, accepted, on_device.start[tree.req_index])
     return SamplerOutput(sampled_token_ids=output, logprobs_tensors=logprobs), path, states
+
+
+def _layout_unknown(kv_caches, src, dst) -> None:
+    raise RuntimeError("tree verification moved KV before check_support read the caches' layout")

@@ -11,7 +11,6 @@ import torch
 from vllm_recycling.kernels import tree_attention as ta
 from vllm_recycling.kernels import triton_usable
 from vllm_recycling.tree import compile_tree
-from vllm_recycling.cpu_attention import tree_attention_reference as cpu_tree_attention
 from vllm_recycling.tree_step import TreeLayout, TreeStep
 
 # A branching template, breadth-first (parent of each node, the root's -1): 24 nodes, depth 6.
@@ -202,8 +201,8 @@ def test_reference_and_kernel_match_explicit_attention(device):
 
 def test_matches_cpu_tree_attention_on_a_planned_step(device):
     """A ``TreeStep`` planned from vLLM's host arrays (a prefill chunk, two cut trees, a
-    request with no drafts): the kernel over the paged cache equals ``cpu_attention``'s CPU tree
-    attention, which reads whole blocks back and masks them."""
+    request with no drafts): the kernel over the paged cache equals attention over each node's
+    prefix and ancestors, gathered position by position."""
     paths = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [1, 0, 0]]
     layout = TreeLayout.from_template(compile_tree(paths, topk=3), "cpu")
     num_draft, computed = np.array([0, 9, 0, 5]), np.array([0, 40, 7, 18])
@@ -225,14 +224,17 @@ def test_matches_cpu_tree_attention_on_a_planned_step(device):
             kv[block_table[b, pos // block_size], pos % block_size] = torch.cat([key[row], value[row]], -1)
     kv_cache = kv.permute(0, 2, 1, 3)
 
-    def read_cache(req, num_positions):
-        blocks = block_table[step.req_index[req], : -(-num_positions // block_size)].long()
-        entries = kv[blocks].flatten(1, 2)  # [g, L, H_kv, 2D]
-        return entries[..., :dim].permute(0, 2, 3, 1), entries[..., dim:].permute(0, 2, 1, 3)
-
     before = torch.randn((total, heads, dim), generator=g)
     want = before.clone()
-    cpu_tree_attention(step, query, want, read_cache, scale=0.2)
+    for r in range(len(step.req_index)):
+        b, root, prefix = int(step.req_index[r]), int(step.root_row[r]), int(step.prefix_len[r])
+        for j in range(1, int(step.num_rows[r])):
+            seen = list(range(prefix)) + [prefix + i for i in range(j + 1) if step.mask[r, j, i]]
+            entries = torch.stack([kv[block_table[b, p // block_size], p % block_size] for p in seen])
+            for h in range(heads):
+                kv_head = entries[:, h // (heads // kv_heads)]
+                w = torch.softmax(kv_head[:, :dim] @ query[root + j, h] * 0.2, dim=0)
+                want[root + j, h] = w @ kv_head[:, dim:]
     got = before.to(device)
     args = (block_table.to(device), step.req_index.to(device), step.rows.to(device),
             step.num_rows.to(device), step.prefix_len.to(device), step.mask.to(device))

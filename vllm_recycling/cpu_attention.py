@@ -234,8 +234,8 @@ class PathWave:
     start, stop: the wave's rows in ``PathPlan.rows`` (chain after chain).
     query_start_loc [n + 1] int32, seq_lens [n] int32, block_table [n, max_blocks] int32 and
         scheduler_metadata: vLLM's kernel arguments for the n chains.
-    write_rows [w] int64: step rows whose keys and values go to slots write_slots [w] int64
-        before the call (the path nodes not already at their positions' slots).
+    writes: the wave's entries in ``PathPlan.write_rows`` (a slice): the path nodes not already
+        at their positions' slots; write_slots [w] int64 those slots.
     """
 
     start: int
@@ -244,11 +244,11 @@ class PathWave:
     seq_lens: torch.Tensor
     block_table: torch.Tensor
     scheduler_metadata: torch.Tensor
-    write_rows: torch.Tensor
+    writes: slice
     write_slots: torch.Tensor
 
 
-@dataclass(frozen=True)
+@dataclass
 class PathPlan:
     """A tree step's node rows computed by vLLM's own CPU attention kernel
     (``ops.cpu_attention_with_kv_cache``), each row exactly as that kernel computes the same
@@ -268,17 +268,22 @@ class PathPlan:
     written to the slots of positions prefix + depth in the request's own blocks (the slots
     of its tree rows, prefix + j, so nothing outside the request is touched), with vLLM's own
     cache writer. After the last wave every node goes back to its own slot, where vLLM's
-    update left it and where the accepted nodes' moves read it (``PagedKV``).
+    update left it and where the accepted nodes' moves read it (``PagedKV``). A wave costs a
+    kernel call and a write: trees with fewer leaves need fewer.
 
     rows [N] int64: the step's input rows of every chain, wave by wave (each node once).
     waves: the kernel calls, in order.
-    restore_rows [m] int64, restore_slots [m] int64: the rows written back to their own slots.
+    write_rows [M] int64: the rows each wave writes (``PathWave.writes``), then the rows put
+        back to their own slots, restore_slots [m] int64 (the last m).
+    The buffers the layers share (the chains' queries, outputs, and the written keys and
+    values) are allocated in the step's first layer.
     """
 
     rows: torch.Tensor
     waves: tuple[PathWave, ...]
-    restore_rows: torch.Tensor
+    write_rows: torch.Tensor
     restore_slots: torch.Tensor
+    _buffers: tuple | None = None
 
     @classmethod
     def build(cls, step: TreeStep, block_table: torch.Tensor, slot_mapping: torch.Tensor, impl, isa: str,
@@ -312,12 +317,13 @@ class PathPlan:
         def longs(values) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64).reshape(-1)
 
-        rows, planned = [], []
+        rows, write_rows, planned = [], [], []
         for chains, wave_writes in zip(waves, writes):
-            start = len(rows)
+            start, first_write = len(rows), len(write_rows)
             lengths = [len(chain_rows) for _, chain_rows, _ in chains]
             for _, chain_rows, _ in chains:
                 rows += chain_rows
+            write_rows += [row for row, _ in wave_writes]
             query_start_loc = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
             seq_lens = torch.tensor([seq for _, _, seq in chains], dtype=torch.int32)
             metadata = ops.cpu_attn_get_scheduler_metadata(
@@ -329,9 +335,10 @@ class PathPlan:
             planned.append(PathWave(
                 start=start, stop=len(rows), query_start_loc=query_start_loc, seq_lens=seq_lens,
                 block_table=block_table[longs([b for b, _, _ in chains])], scheduler_metadata=metadata,
-                write_rows=longs([row for row, _ in wave_writes]), write_slots=longs([s for _, s in wave_writes]),
+                writes=slice(first_write, len(write_rows)), write_slots=longs([s for _, s in wave_writes]),
             ))
-        return cls(rows=longs(rows), waves=tuple(planned), restore_rows=longs([row for row, _ in restore]),
+        write_rows += [row for row, _ in restore]
+        return cls(rows=longs(rows), waves=tuple(planned), write_rows=longs(write_rows),
                    restore_slots=longs([s for _, s in restore]))
 
     def __call__(self, impl, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -339,31 +346,31 @@ class PathPlan:
         """One layer: overwrite ``output`` ([T, H, D] or [T, H*D]) on the plan's rows. query
         [T, H, D], key and value [T, H_kv, D] (this step's, already in their slots); kv_cache
         the layer's [num_blocks, H_kv, block_size, 2 D] in the layout ``layer.isa``."""
-        from vllm import _custom_ops as ops
-
+        if self._buffers is None:  # the step's first layer
+            self._buffers = (query.new_empty((len(self.rows), *query.shape[1:])),
+                             query.new_empty((len(self.rows), *query.shape[1:])),
+                             key.new_empty((len(self.write_rows), *key.shape[1:])),
+                             value.new_empty((len(self.write_rows), *value.shape[1:])))
+        q, out, k, v = self._buffers
+        torch.index_select(query, 0, self.rows, out=q)
+        torch.index_select(key, 0, self.write_rows, out=k)
+        torch.index_select(value, 0, self.write_rows, out=v)
         num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
         key_cache, value_cache = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size, -1).chunk(2, dim=2)
-
-        def write(rows: torch.Tensor, slots: torch.Tensor) -> None:
-            if rows.numel():
-                ops.cpu_attn_reshape_and_cache(
-                    key[rows], value[rows], key_cache, value_cache, slots, layer.isa, k_scale=layer._k_scale_float,
-                    v_scale=layer._v_scale_float, kv_cache_dtype=impl.kv_cache_dtype,
-                )
-
-        q = query.index_select(0, self.rows)
-        out = torch.empty_like(q)
+        write, attend = torch.ops._C.cpu_attn_reshape_and_cache, torch.ops._C.cpu_attention_with_kv_cache
+        k_scale, v_scale, cache_dtype = layer._k_scale_float, layer._v_scale_float, impl.kv_cache_dtype
         for wave in self.waves:
-            write(wave.write_rows, wave.write_slots)
-            ops.cpu_attention_with_kv_cache(
-                query=q[wave.start:wave.stop], key_cache=key_cache, value_cache=value_cache,
-                output=out[wave.start:wave.stop], query_start_loc=wave.query_start_loc, seq_lens=wave.seq_lens,
-                scale=impl.scale, causal=True, alibi_slopes=impl.alibi_slopes, sliding_window=impl.sliding_window,
-                block_table=wave.block_table, softcap=impl.logits_soft_cap,
-                scheduler_metadata=wave.scheduler_metadata, s_aux=impl.sinks, k_scale=layer._k_scale_float,
-                v_scale=layer._v_scale_float, kv_cache_dtype=impl.kv_cache_dtype,
-            )
-        write(self.restore_rows, self.restore_slots)
+            if wave.writes.stop > wave.writes.start:
+                write(k[wave.writes], v[wave.writes], key_cache, value_cache, wave.write_slots, layer.isa, k_scale,
+                      v_scale, cache_dtype)
+            # _custom_ops.cpu_attention_with_kv_cache's arguments, in its order (_custom_ops.py:3907-3946)
+            attend(q[wave.start:wave.stop], key_cache, value_cache, out[wave.start:wave.stop], wave.query_start_loc,
+                   wave.seq_lens, impl.scale, True, impl.alibi_slopes, impl.sliding_window, wave.block_table,
+                   impl.logits_soft_cap, wave.scheduler_metadata, impl.sinks, None, k_scale, v_scale, cache_dtype)
+        restored = len(self.restore_slots)
+        if restored:
+            write(k[-restored:], v[-restored:], key_cache, value_cache, self.restore_slots, layer.isa, k_scale,
+                  v_scale, cache_dtype)
         output.view(output.shape[0], q.shape[1], q.shape[2]).index_copy_(0, self.rows, out)
 
 

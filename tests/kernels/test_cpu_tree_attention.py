@@ -160,6 +160,7 @@ def test_plan_writes_only_the_requests_own_tree_slots():
     assert [w.stop - w.start for w in plan.waves] == [5 + 2, 2 + 1, 1 + 1, 2, 1]  # chains of both, wave by wave
     for wave in plan.waves:
         assert set(wave.write_slots.tolist()) <= own
+        assert len(wave.write_slots) == wave.writes.stop - wave.writes.start
     assert sorted(plan.rows.tolist()) == [row for _, _, row in s.tree_rows()]  # each node once
     assert set(plan.restore_slots.tolist()) <= own
 

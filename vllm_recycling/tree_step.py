@@ -98,6 +98,8 @@ class TreeStep:
         reuse (``cpu_attention.tree_attention_cpu``); None until then.
     cpu_causal: (vLLM's attention metadata of the step, the metadata its causal kernel runs
         with instead: ``cpu_attention.tree_rows_spared_metadata``), built in the first layer.
+    scratch_blocks: KV cache blocks no request owns, where CPU tree attention may lay out a
+        chain of the tree (``patches.runner.ScratchKVBlocks``).
     """
 
     layout: TreeLayout
@@ -120,6 +122,7 @@ class TreeStep:
     prefix_np: np.ndarray  # [R] prefix_len on the host
     cpu_plan: object | None = None
     cpu_causal: tuple | None = None
+    scratch_blocks: tuple[int, ...] = ()
 
     @classmethod
     def plan(

@@ -34,6 +34,8 @@ class TreeVerifier:
         # where accepted nodes' keys and values move (kv_caches, src, dst): the paged caches of
         # the attention the tree pass runs on, in their layout, from check_support
         self.move_kv: Callable[[list[torch.Tensor], torch.Tensor, torch.Tensor], None] = _layout_unknown
+        # KV cache blocks beside vLLM's, where the CPU tree pass lays out chains (ScratchKVBlocks)
+        self.scratch_blocks: tuple[int, ...] = ()
 
     def check_support(self, vllm_config, model) -> None:
         """At start-up: refuse a set-up tree verification cannot serve exactly
@@ -49,10 +51,13 @@ class TreeVerifier:
     ) -> TreeStep | None:
         """The step's tree rows (``TreeStep.plan``; None when no request has a branching tree).
         nodes: per request, the template nodes it was sent (None: the template's first ones)."""
-        return TreeStep.plan(
+        step = TreeStep.plan(
             self.layout, np.asarray(num_draft_tokens), query_start_loc, num_computed_tokens,
             self.device, nodes,
         )
+        if step is not None:
+            step.scratch_blocks = self.scratch_blocks
+        return step
 
     def verify(
         self,

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_recycling.cpu_attention import PathPlan, attention_isa, node_chains, paths_match_plain_steps
+from vllm_recycling.cpu_attention import PathPlan, attention_isa, node_chains, page_indices, paths_match_plain_steps
 from vllm_recycling.kernels import native
 from vllm_recycling.tree import compile_tree
 from vllm_recycling.tree_step import TreeLayout, TreeStep
@@ -42,7 +42,7 @@ class Batch:
     bs, 2D] written by vLLM's own writer in the layout it picks (the prefixes, then the step's
     keys and values at its slot mapping: tree node j at prefix + j), blocks shuffled."""
 
-    def __init__(self, drafts, computed, heads, kv_heads, dim, dtype, block_size=16, seed=0):
+    def __init__(self, drafts, computed, heads, kv_heads, dim, dtype, block_size=16, seed=0, scratch=0):
         g = torch.Generator().manual_seed(seed)
         layout = TreeLayout.from_template(compile_tree(PATHS, topk=3), "cpu")
         num_draft = np.array([0, *drafts])
@@ -54,8 +54,10 @@ class Batch:
         self.isa = attention_isa(dtype, block_size, dim)
         batch, total = len(num_draft), int(self.qsl[-1])
         max_blocks = int(max(-(-(c + n) // block_size) for c, n in zip(self.computed, lens))) + 1
-        num_blocks = batch * max_blocks + 3
-        self.table = torch.randperm(num_blocks, generator=g)[: batch * max_blocks].view(batch, max_blocks).int()
+        num_blocks = batch * max_blocks + 3 + scratch
+        ids = torch.randperm(num_blocks, generator=g)
+        self.table = ids[: batch * max_blocks].view(batch, max_blocks).int()
+        self.scratch = tuple(ids[num_blocks - scratch:].tolist())  # blocks no request owns
         self.cache = torch.zeros(num_blocks, kv_heads, block_size, 2 * dim, dtype=dtype)
         # every request's keys and values by position, the prefix's and the step's
         self.past = [(torch.randn(int(c), kv_heads, dim, generator=g).to(dtype),
@@ -89,7 +91,8 @@ class Batch:
         old = torch.get_num_threads()
         torch.set_num_threads(threads or old)
         try:  # the kernel's work plan is for the threads it is built with
-            plan = PathPlan.build(self.step, self.table, self.slot_mapping, self.impl, self.isa, self.dtype)
+            plan = PathPlan.build(self.step, self.table, self.slot_mapping, self.impl, self.isa, self.dtype,
+                                  self.block_size, self.scratch)
             plan(self.impl, self.layer, self.query, self.key, self.value, cache, out)
         finally:
             torch.set_num_threads(old)
@@ -135,12 +138,17 @@ CASES = [  # (dtype, block size, head size): vec (D a multiple of 32), vec16 (16
 
 @pytest.mark.parametrize("dtype, block_size, dim", CASES, ids=lambda c: str(c).replace("torch.", ""))
 @pytest.mark.parametrize("heads", [(9, 3), (14, 2), (8, 8)], ids=lambda h: f"H{h[0]}_kv{h[1]}")
-def test_every_tree_row_is_vllms_plain_step(dtype, block_size, dim, heads):
-    s = Batch(*RAGGED, *heads, dim, dtype, block_size=block_size, seed=block_size + dim + heads[0])
+@pytest.mark.parametrize("scratch", [0, 5, 40], ids=lambda n: f"scratch{n}")
+def test_every_tree_row_is_vllms_plain_step(dtype, block_size, dim, heads, scratch):
+    """Without scratch blocks (a wave per chain of a request), with too few for every chain
+    (some in scratch blocks, the rest in waves), and with enough for all (one call)."""
+    s = Batch(*RAGGED, *heads, dim, dtype, block_size=block_size, seed=block_size + dim + heads[0], scratch=scratch)
     got, cache = s.tree()
     for r, j, row in s.tree_rows():
         assert torch.equal(got[row], s.plain_step(r, j)), (s.isa, r, j)
-    assert torch.equal(cache, s.cache)  # every node back in its own slot: the moves read it there
+    owned = torch.ones(cache.shape[0], dtype=torch.bool)
+    owned[list(s.scratch)] = False
+    assert torch.equal(cache[owned], s.cache[owned])  # every node back in its own slot: the moves read it there
     untouched = torch.ones(len(s.query), dtype=torch.bool)
     untouched[[row for _, _, row in s.tree_rows()]] = False
     assert not got[untouched].any()  # prefill chunks and chains: vLLM's own pass computes them
@@ -155,7 +163,7 @@ def test_plan_writes_only_the_requests_own_tree_slots():
     """Each wave writes path nodes only to the slots of its request's tree rows (prefix + d), and
     the last puts back only what moved."""
     s = Batch([10, 3], [37, 5], 4, 2, 64, torch.float32)
-    plan = PathPlan.build(s.step, s.table, s.slot_mapping, s.impl, s.isa, s.dtype)
+    plan = PathPlan.build(s.step, s.table, s.slot_mapping, s.impl, s.isa, s.dtype, s.block_size)
     own = {int(x) for r, j, row in s.tree_rows() for x in [s.slot_mapping[row]]}
     assert [w.stop - w.start for w in plan.waves] == [5 + 2, 2 + 1, 1 + 1, 2, 1]  # chains of both, wave by wave
     for wave in plan.waves:
@@ -163,6 +171,41 @@ def test_plan_writes_only_the_requests_own_tree_slots():
         assert len(wave.write_slots) == wave.writes.stop - wave.writes.start
     assert sorted(plan.rows.tolist()) == [row for _, _, row in s.tree_rows()]  # each node once
     assert set(plan.restore_slots.tolist()) <= own
+
+
+def test_scratch_blocks_put_every_chain_in_one_call():
+    s = Batch([10, 3], [37, 5], 4, 2, 64, torch.float32, scratch=12)
+    plan = PathPlan.build(s.step, s.table, s.slot_mapping, s.impl, s.isa, s.dtype, s.block_size, s.scratch)
+    assert len(plan.waves) == 1 and len(plan.rows) == 11 + 4
+    # chains 1.. of request 1 (prefix 37: 5 positions in its last prefix block) and of request 2
+    # (prefix 5): 4 + 2 chains, each in one scratch block that first gets those prefix positions
+    assert plan.copies[2].tolist() == [37 % 16] * 4 + [5] * 2
+    own = {int(s.slot_mapping[row]) for _, _, row in s.tree_rows()}
+    scratch = {b * 16 + o for b in s.scratch for o in range(16)}
+    assert set(plan.waves[0].write_slots.tolist()) <= own | scratch
+
+
+@pytest.mark.parametrize("isa, dtype", [("vec", torch.float32), ("vec", torch.bfloat16), ("amx", torch.bfloat16)])
+def test_copy_positions_in_c_equals_slot_by_slot(isa, dtype):
+    """``native.copy_positions`` (runs of each page's layout) against ``move_slots`` slot by slot:
+    the first positions of a block, for counts inside a group of 16 and across several."""
+    from vllm_recycling.cpu_attention import move_slots
+
+    cache = torch.randn(6, 2, 32, 2 * 64).to(dtype)
+    want = cache.clone()
+    src, dst, count = torch.tensor([1, 4, 2]), torch.tensor([3, 5, 0]), torch.tensor([5, 20, 32])
+    for a, b, c in zip(src.tolist(), dst.tolist(), count.tolist()):
+        move_slots(want, torch.arange(c) + 32 * a, torch.arange(c) + 32 * b, isa)
+    native.copy_positions(cache, src, dst, count, isa)
+    keys_at, values_at = page_indices(isa, 32, 64)
+    for b, c in zip(dst.tolist(), count.tolist()):  # what a tree pass reads: the first c positions
+        page, expected = cache[b].reshape(2, -1), want[b].reshape(2, -1)
+        assert torch.equal(page[:, keys_at[:c].reshape(-1)], expected[:, keys_at[:c].reshape(-1)])
+        assert torch.equal(page[:, values_at[:c].reshape(-1)], expected[:, values_at[:c].reshape(-1)])
+    untouched = torch.tensor([i not in dst.tolist() for i in range(6)])
+    assert torch.equal(cache[untouched], want[untouched])
+    with pytest.raises(IndexError, match="outside the cache"):
+        native.copy_positions(cache, torch.tensor([6]), torch.tensor([0]), torch.tensor([1]), isa)
 
 
 def test_paths_match_plain_steps_here():

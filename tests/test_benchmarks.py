@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from vllm_recycling.tools.prompts import seeded_sample, spec_bench_questions
@@ -403,3 +404,24 @@ def test_serve_bench_main_leaves_the_module_server_args_alone(tmp_path, monkeypa
     assert started == [expected, expected]
     assert list(serve_bench.SERVER_ARGS) == before
     assert serve_bench.server_args("bfloat16") == ["--dtype", "bfloat16", *before]
+
+
+def test_budget_ceiling_rankings_read_the_accepted_paths(monkeypatch):
+    """Root -> 1, 2; 1 -> 3. Paths [1, 3], [2], [1]: the best single node is 1 (two steps'
+    tokens), a ranking that scores node 2 highest gets one; rankings learnt online start from
+    the prior and learn each node's hits below an accepted parent."""
+    import budget_ceiling as bc
+
+    monkeypatch.setattr(bc, "SIZES", (1, 2, 3))
+    parents = [0, 0, 0, 1]
+    paths = [[1, 3], [2], [1]]
+    assert bc.best_subsets(paths, parents) == {1: round(1 + 2 / 3, 3), 2: 2.0, 3: round(1 + 4 / 3, 3)}
+    likes_two = [[0.2, 0.9, 0.1]] * 3
+    assert bc.ranked_subsets(paths, likes_two, parents) == {1: round(1 + 1 / 3, 3), 2: 2.0, 3: round(1 + 4 / 3, 3)}
+    assert bc.ranked_subsets(paths, [None] * 3, parents) == {1: 1.0, 2: 1.0, 3: 1.0}  # no scored step
+    learnt = bc.online_scores(paths, likes_two, parents)
+    assert np.allclose(learnt["per node"][0], [0.1, 0.1, 0.01])  # the prior's 0.1 per edge
+    # after two steps: node 1 tried twice, won once; node 2 likewise; node 3 tried once, won once
+    assert np.allclose(learnt["per node"][2], [0.3, 0.3, 0.3 * 0.4])
+    # the budget's edges (0.2; 0.9; 0.1 / 0.2 = 0.5 below node 1), times hits over expected hits
+    assert np.allclose(learnt["budget x per node"][0], [0.2, 0.9, 0.1])

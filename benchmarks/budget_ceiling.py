@@ -151,6 +151,27 @@ def ranked_subsets(paths: list[list[int]], scores: list, parents: list[int]) -> 
     return out
 
 
+def expected_tokens(scores: list, parents: list[int]) -> dict[int, float]:
+    """B -> what a ranking expects of its own top B nodes per decode step: 1 + the sum of their
+    scores (a survival is the chance that the node is accepted), averaged over the steps. Against
+    ``ranked_subsets`` it shows whether the ranking over- or underestimates."""
+    out = {}
+    steps = [s for s in scores if s is not None]
+    for size in SIZES:
+        total = 0.0
+        for score in steps:
+            chosen: set[int] = set()
+            frontier = {v for v in range(1, len(parents)) if parents[v] == 0}
+            while len(chosen) < size and frontier:
+                v = max(frontier, key=lambda u: (score[u - 1], -u))
+                chosen.add(v)
+                total += score[v - 1]
+                frontier.discard(v)
+                frontier |= {u for u in range(1, len(parents)) if parents[u] == v}
+        out[size] = round(1 + total / max(len(steps), 1), 3)
+    return out
+
+
 def online_scores(paths: list[list[int]], scores: list, parents: list[int], prior: float = 2.0) -> dict[str, list]:
     """Rankings learnt online from the steps before each step (what a budget could know then),
     per step over the nodes: "per node": each node's acceptance rate below an accepted parent
@@ -203,6 +224,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--held-out", action="store_true")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--steps", help="also write the whole tree's steps (paths, survivals) to this JSON file")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -224,6 +246,7 @@ def main() -> None:
     whole = runs["whole"]
     subsets = best_subsets(whole["paths"], whole["parents"])
     rankings = {"the budget's survival": ranked_subsets(whole["paths"], whole["predicted"], whole["parents"])}
+    expected = expected_tokens(whole["predicted"], whole["parents"])
     for name, scores in online_scores(whole["paths"], whole["predicted"], whole["parents"]).items():
         rankings[name] = ranked_subsets(whole["paths"], scores, whole["parents"])
     decode_steps = len(whole["paths"])
@@ -247,7 +270,9 @@ def main() -> None:
         "| nodes | " + " | ".join(str(b) for b in subsets) + " |", "|---|" + "---|" * len(subsets),
         "| best fixed subset | " + " | ".join(f"{v:.2f}" for v in subsets.values()) + " |",
         *(f"| each step's top nodes by {name} | " + " | ".join(f"{v:.2f}" for v in ranked.values()) + " |"
-          for name, ranked in rankings.items()), "",
+          for name, ranked in rankings.items()),
+        "| what the budget expected of its top nodes | " + " | ".join(f"{v:.2f}" for v in expected.values()) + " |",
+        "",
         "Each step's top nodes: the B nodes a ranking scores highest at that step (taken parent first), the "
         "rankings learnt online from the steps before it: the budget's survival as the run computed it; "
         "per node, each template node's own acceptance below an accepted parent, multiplied along its path; "
@@ -255,7 +280,10 @@ def main() -> None:
     (RESULTS / f"budget_ceiling_{args.model}.md").write_text(text)
     (RESULTS / f"budget_ceiling_{args.model}.json").write_text(json.dumps(
         {**head, "runs": {k: {x: y for x, y in v.items() if x not in ("paths", "parents")} for k, v in runs.items()},
-         "best_subsets": subsets, "rankings": rankings, "decode_steps": decode_steps}, indent=1) + "\n")
+         "best_subsets": subsets, "rankings": rankings, "expected": expected, "decode_steps": decode_steps},
+        indent=1) + "\n")
+    if args.steps:  # every decode step's accepted path and the budget's survivals, for other analyses
+        Path(args.steps).write_text(json.dumps({k: whole[k] for k in ("paths", "predicted", "parents")}))
     print(text)
 
 

@@ -1,6 +1,6 @@
 """CPU tree attention per layer, at the shapes of the models the benchmarks serve (SmolLM2-135M: 9
 query heads, 3 key/value heads; Qwen2.5-Coder-0.5B: 14 and 2; head size 64 both), in float32 and
-in bfloat16, each in the KV layout vLLM picks for it on this CPU (``cpu_attention.attention_isa``:
+in bfloat16, each in the KV layout vLLM picks for it on this CPU (``cpu_kv_cache.attention_isa``:
 ``vec`` for float32; for bfloat16 ``amx`` on CPUs with AMX, else ``vec``), for batch sizes and
 prefix mixes the server benchmark meets: ``cpu_attention.PathPlan``, what the CPU path runs (vLLM's
 own kernel once per layer, each chain of a tree in scratch blocks that first get the prefix's
@@ -78,7 +78,7 @@ def attention_flop(heads: int, rows: int, prefixes: list[int]) -> float:
 
 def kv_layout(dtype: torch.dtype) -> str:
     """The layout vLLM picks for this dtype here."""
-    from vllm_recycling.cpu_attention import attention_isa
+    from vllm_recycling.cpu_kv_cache import attention_isa
 
     return attention_isa(dtype, BLOCK_SIZE, HEAD_DIM)
 

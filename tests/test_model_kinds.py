@@ -84,7 +84,7 @@ def test_trees_give_no_speculations_tokens_and_logprobs_bit_for_bit(tiny_model, 
     gave other logprobs in float32 here (and other tokens at bfloat16 near-ties on AMX)."""
     import torch
 
-    from vllm_recycling.cpu_attention import attention_isa
+    from vllm_recycling.cpu_kv_cache import attention_isa
 
     def logprobs(outputs):
         return [[pos[tok].logprob for pos, tok in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]

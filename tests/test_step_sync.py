@@ -31,7 +31,7 @@ def verify_tree_step(device: torch.device, kv_caches: list, penalties: bool):
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
     from vllm_recycling import triton_path
-    from vllm_recycling.cpu_attention import PagedKV
+    from vllm_recycling.cpu_kv_cache import PagedKV
     from vllm_recycling.matrix import AdjacencyMatrix
     from vllm_recycling.node_sampler import NodeSampler, samples_rows
     from vllm_recycling.verifier import TreeVerifier, verify_sampled

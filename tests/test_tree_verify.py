@@ -221,13 +221,13 @@ def test_chain_plan_and_compaction(layout):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_kv_layout_matches_vllm_writer(head_dim, isa, dtype):
     pytest.importorskip("vllm")
-    from vllm_recycling.cpu_attention import check_layout
+    from vllm_recycling.cpu_kv_cache import check_layout
 
     assert check_layout(isa, dtype, head_dim, block_size=32)
 
 
 def test_cpu_kv_move_slots():
-    from vllm_recycling.cpu_attention import move_slots, read_blocks
+    from vllm_recycling.cpu_kv_cache import move_slots, read_blocks
 
     cache = torch.randn(4, 2, 8, 2 * 4)  # 4 blocks of 8 tokens, 2 heads, D 4
     table = torch.tensor([[3, 1]])

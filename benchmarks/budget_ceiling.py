@@ -44,6 +44,7 @@ def run(args, spec: dict) -> dict:
 
     paths: list[list[int]] = []
     predicted: list[list[float]] = []  # per decode step with a path: the budget's survival of every node
+    requests: list[str] = []  # per decode step with a path: its request
     by_proposal: dict[int, list[float]] = {}
     verify = proposer_module.RecyclingProposer.verify
 
@@ -54,6 +55,7 @@ def run(args, spec: dict) -> dict:
             sent = record.proposal.sent.get(self.batch[0])
             if sent is not None:
                 paths.append([int(sent[0][j - 1]) for j in record.verification.path[0].tolist() if j > 0])
+                requests.append(self.batch[0])
                 if by_proposal:
                     predicted.append(by_proposal.pop(id(record.proposal), None))
         return out
@@ -102,7 +104,7 @@ def run(args, spec: dict) -> dict:
     return {"tokens": tokens, "steps": steps, "seconds": round(seconds, 1), "tokens_per_step": round(tokens / steps, 3),
             "tokens_per_s": round(tokens / seconds, 2),
             "drafts_per_step": round((after["draft_tokens"] - before["draft_tokens"]) / steps, 2),
-            "paths": paths, "parents": parents, "predicted": predicted}
+            "paths": paths, "parents": parents, "predicted": predicted, "requests": requests}
 
 
 def best_subsets(paths: list[list[int]], parents: list[int]) -> dict[int, float]:
@@ -279,11 +281,11 @@ def main() -> None:
         "the budget's edges times each node's learnt ratio of hits to the budget's expected hits.", ""])
     (RESULTS / f"budget_ceiling_{args.model}.md").write_text(text)
     (RESULTS / f"budget_ceiling_{args.model}.json").write_text(json.dumps(
-        {**head, "runs": {k: {x: y for x, y in v.items() if x not in ("paths", "parents")} for k, v in runs.items()},
+        {**head, "runs": {k: {x: y for x, y in v.items() if x not in ("paths", "parents", "predicted", "requests")} for k, v in runs.items()},
          "best_subsets": subsets, "rankings": rankings, "expected": expected, "decode_steps": decode_steps},
         indent=1) + "\n")
     if args.steps:  # every decode step's accepted path and the budget's survivals, for other analyses
-        Path(args.steps).write_text(json.dumps({k: whole[k] for k in ("paths", "predicted", "parents")}))
+        Path(args.steps).write_text(json.dumps({k: whole[k] for k in ("paths", "predicted", "parents", "requests")}))
     print(text)
 
 

@@ -75,14 +75,41 @@ def test_sliding_window_model_refuses_explicit_trees(tiny_gemma3):
             pass
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_trees_give_no_speculations_tokens_and_logprobs_bit_for_bit(tiny_model, dtype):
+@pytest.fixture(scope="module")
+def tiny_head128(tiny_model, tmp_path_factory) -> str:
+    """A two-layer random Llama with head size 128 (two query heads, one key/value head) and
+    tiny-random's tokenizer: with ``block_size=32`` the shape whose scratch the plugin's earlier
+    AMX kernel overflowed (head size above twice the block size)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny-head128")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    config = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=128, max_position_embeddings=2048,
+                         initializer_range=0.5, tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).to(torch.float32).eval().save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return str(out)
+
+
+@pytest.mark.parametrize("model, dtype, block_size, head_size", [
+    ("tiny_model", "bfloat16", None, 64), ("tiny_model", "float32", None, 64),
+    ("tiny_head128", "bfloat16", 32, 128)])
+def test_trees_give_no_speculations_tokens_and_logprobs_bit_for_bit(request, model, dtype, block_size, head_size):
     """Trees on every step (budget fixed), in the KV layout vLLM picked for the model (amx for
     bfloat16 on an AMX CPU): every answer is no speculation's, token for token, and so is each
     token's logprob, to the last bit. Each tree row is computed as vLLM computes a plain step
     (``cpu_attention.PathPlan``); the plugin's earlier kernel summed in another order, which
-    gave other logprobs in float32 here (and other tokens at bfloat16 near-ties on AMX)."""
+    gave other logprobs in float32 here (and other tokens at bfloat16 near-ties on AMX), and
+    overflowed its scratch with head size 128 in 32-token blocks on AMX (review 2026-12-04 A1)."""
     import torch
+
+    model = request.getfixturevalue(model)
+    extra = {} if block_size is None else {"block_size": block_size}
 
     from vllm_recycling.cpu_kv_cache import attention_isa
 
@@ -90,11 +117,11 @@ def test_trees_give_no_speculations_tokens_and_logprobs_bit_for_bit(tiny_model, 
         return [[pos[tok].logprob for pos, tok in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
                 for o in outputs]
 
-    with engine(tiny_model, dtype=dtype) as llm:
+    with engine(model, dtype=dtype, **extra) as llm:
         base = llm.generate(TINY_PROMPTS, greedy(logprobs=1), use_tqdm=False)
-    spec = {"method": "recycling", "budget": "fixed"}
-    with engine(tiny_model, dtype=dtype, speculative_config=spec, disable_log_stats=False) as llm:
-        isa = attention_isa(getattr(torch, dtype), llm.llm_engine.vllm_config.cache_config.block_size, 64)
+    spec = {"method": "recycling", "budget": "fixed", "matrix_init": "empty" if block_size else "model"}
+    with engine(model, dtype=dtype, speculative_config=spec, disable_log_stats=False, **extra) as llm:
+        isa = attention_isa(getattr(torch, dtype), llm.llm_engine.vllm_config.cache_config.block_size, head_size)
         assert llm.collective_rpc(_drafting) == [(None, True, isa)]
         num_blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
         assert llm.collective_rpc(_scratch) == [(64, num_blocks + 64)]  # the cache's 4096: the most

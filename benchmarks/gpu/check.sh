@@ -10,6 +10,7 @@
 #   (d)       step_cost.py at Llama-3-8B's shape (llama3-8b-config/, dummy weights, bfloat16):
 #             plain steps, then recycling's adaptive budget and trees of 1-80 nodes, batch 1/8/32,
 #             last plain steps with async scheduling off (as recycling's engine runs)
+#   (e)       the control for (b): recycling's chain in bfloat16 (no tree kernel), if time is left
 # One step failing does not stop the next. Everything lands in $WORK (default /tmp/gpu-check);
 # after every step report.py writes $OUT/{summary.txt,results.md,results.json}, the last lines
 # of every step's log to $OUT/tails.txt and all logs to $OUT/logs.tar.gz.
@@ -81,6 +82,9 @@ step c-pytest 150 env -u VLLM_ENABLE_V1_MULTIPROCESSING -u VLLM_RECYCLING_GPU_PA
 step d-none 100 $PY $HERE/step_cost.py --model "$SC_MODEL" --method none --out "$WORK/step_cost_none.json" $SC_ARGS
 step d-recycling 180 $PY $HERE/step_cost.py --model "$SC_MODEL" --method recycling --out "$WORK/step_cost_recycling.json" $SC_ARGS
 step d-none-sync 90 $PY $HERE/step_cost.py --model "$SC_MODEL" --method none --sync --out "$WORK/step_cost_none_sync.json" $SC_ARGS
+# last, the control for (b)'s trees: recycling's chain in bfloat16 (vLLM's attention on every row)
+step e-chain-bfloat16 90 $PY $HERE/identity.py --model "$MODEL" --method recycling --dtype bfloat16 \
+  --spec '{"method": "recycling", "verify": "chain", "budget": "fixed"}' --out "$WORK/identity_chain_bfloat16.json" $ID_ARGS
 report
 echo; cat "$OUT/summary.txt"
 echo "total $(( $(date +%s) - T0 ))s; results in $OUT (summary.txt, results.md, results.json, tails.txt, logs.tar.gz)"

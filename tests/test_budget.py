@@ -11,7 +11,9 @@ from vllm_recycling.budget import (
     STEP_NOISE_S,
     PRIOR_SCALE,
     PRIOR_TRIALS,
+    REQUEST_PRIOR,
     Calibration,
+    RequestFit,
     StepCost,
     admit,
     break_even,
@@ -157,6 +159,28 @@ def test_survival_is_the_product_along_the_path():
     survival = cal.survival(conf, parent, (0, 1, 3, 4))
     assert survival[0].tolist() == pytest.approx([1.0, 0.5, 0.1, 0.2])
     assert cal.bins(np.array([0.9, 0.9]), np.array([0, 1])).tolist() == [15, 31]
+
+
+def test_each_requests_factor_scales_its_edges_never_above_one():
+    """A request that accepted more edges than the calibration expected gets every edge scaled
+    up by (hits + prior) / (expected + prior), one that accepted fewer scaled down, one that
+    tried nothing keeps the calibration's; no edge goes above 1."""
+    fit = RequestFit()
+    fit.observe("copying", accepted=6, expected=2.0)
+    fit.observe("copying", accepted=2, expected=2.0)  # steps add up
+    fit.observe("prose", accepted=0, expected=4.0)
+    up, down = (8 + REQUEST_PRIOR) / (4 + REQUEST_PRIOR), REQUEST_PRIOR / (4 + REQUEST_PRIOR)
+    assert fit.scale(["copying", "prose", "new"]).tolist() == pytest.approx([up, down, 1.0])
+    cal = Calibration()
+    cal.rates = np.full(2 * cal.num_bins, 0.5, dtype=np.float32)
+    cal.rates[cal.num_bins:] = 0.8
+    parent = np.array([0, 0, 1])
+    conf = np.array([[1.0, 0.9, 0.9]] * 3, dtype=np.float32)
+    survival = cal.survival(conf, parent, (0, 1, 2, 3), fit.scale(["copying", "prose", "new"]))
+    assert survival[:, 1].tolist() == pytest.approx([0.5 * up, 0.5 * down, 0.5])
+    assert survival[:, 2].tolist() == pytest.approx([0.5 * up * min(1.0, 0.8 * up), 0.5 * down * 0.8 * down, 0.4])
+    fit.keep({"prose"})  # the others finished
+    assert fit.scale(["copying", "prose"]).tolist() == pytest.approx([1.0, down])
 
 
 def test_prior_rows_are_calibrated_in_their_own_tables():

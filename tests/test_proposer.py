@@ -125,7 +125,7 @@ def test_proposer_auto_budget_learns_while_sending_nothing():
     import numpy as np
     import torch
 
-    from vllm_recycling.budget import FORGET, StepCost, confidence_bins
+    from vllm_recycling.budget import FORGET, REQUEST_PRIOR, StepCost, confidence_bins
 
     proposer = make_proposer("shared", tree=[[0], [1], [0, 0]], budget="auto")
     calibration = proposer.budget.calibration
@@ -146,6 +146,11 @@ def test_proposer_auto_budget_learns_while_sending_nothing():
     learnt = calibration.trials - FORGET * trials, calibration.hits - FORGET * hits
     assert learnt[0][[top, low]].tolist() == pytest.approx([1, 1])
     assert learnt[1][[top, low]].tolist() == pytest.approx([1, 0])
+    # and a's own factor (RequestFit): one of its two first-level edges accepted where the
+    # calibration (its prior zeroed, one failure seen) expected none; b tried nothing
+    fit = proposer.budget.request_fit
+    assert fit.hits == {"a": 1.0} and fit.expected == {"a": 0.0}
+    assert fit.scale(["a", "b"]).tolist() == pytest.approx([(1 + REQUEST_PRIOR) / REQUEST_PRIOR, 1.0])
 
 
 def test_proposer_per_request_matrices():

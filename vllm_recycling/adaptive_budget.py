@@ -24,6 +24,7 @@ from vllm_recycling.budget import (
     SYNC_STEPS,
     Admission,
     Calibration,
+    RequestFit,
     StepCost,
     admit,
     chain_nodes,
@@ -55,6 +56,7 @@ class AdaptiveBudget:
         self.hybrid = hybrid
         self.template = template = hybrid.tree
         self.calibration = Calibration()
+        self.request_fit = RequestFit()
         # A flat prior until the start-up profile (patches.runner.ProfileStepCost) replaces it.
         self.cost = StepCost([1, 1 << 20], [0.0, 0.0])
         # the chains verified without tree attention: the matrix's rank-0 chain, the context chain
@@ -130,7 +132,9 @@ class AdaptiveBudget:
         num_decoding: requests of the batch that decode; base_tokens: the step's tokens without
         drafts."""
         num_nodes = self.template.num_nodes
-        if nothing_pays(self.calibration.max_edge, self.cost, num_decoding, base_tokens, len(active) * num_nodes):
+        scale = self.request_fit.scale([batch[i] for i in active])
+        max_edge = min(1.0, self.calibration.max_edge * float(scale.max(initial=1.0)))
+        if nothing_pays(max_edge, self.cost, num_decoding, base_tokens, len(active) * num_nodes):
             # no node survives more than the calibration's best edge, and that does not pay:
             # plain decoding, decided without drafting the tree (what admit would decide)
             decision = no_drafts(len(active), num_nodes, num_decoding, base_tokens, self.cost)
@@ -142,7 +146,7 @@ class AdaptiveBudget:
             return {}, Proposal(unsent=unsent, predicted_seconds=decision.seconds)
         tokens, conf = draft(matrix, self.hybrid, roots, slots, context, with_probs=True)
         tokens_np, conf_np = to_host(tokens, conf)  # one copy from the device, survival on the host
-        survival = self.calibration.survival(conf_np, self._parent_np, self.template.level_starts)
+        survival = self.calibration.survival(conf_np, self._parent_np, self.template.level_starts, scale)
         tokens_np, conf_np, survival_np = tokens_np[:, 1:], conf_np[:, 1:], survival[:, 1:]
         if self.hybrid.context_length:  # a context node without a token is never sent
             survival_np *= self.hybrid.sendable(len(active), None if context is None else context.valid)
@@ -216,6 +220,7 @@ class AdaptiveBudget:
             self._log(len(batch))
             self._last_log = now
         trial_bins, hits = self._trials(record, sampled_token_ids)
+        self.request_fit.keep(batch)
         if trial_bins:
             self.calibration.observe(np.concatenate(trial_bins), np.concatenate(hits))
         self._last_end = now
@@ -247,6 +252,8 @@ class AdaptiveBudget:
                 tried = won[self._parent_np[nodes]]
                 trial_bins.append(node_bins[tried])
                 hits.append(won[nodes][tried])
+                self.request_fit.observe(req_id, int(hits[-1].sum()),
+                                         float(self.calibration.rates[trial_bins[-1]].sum()))
         unsent = record.proposal.unsent
         if unsent:  # first-level nodes not sent: accepted if the step emitted their token
             for i, req_id in enumerate(record.batch[: len(sampled_token_ids)]):
@@ -254,6 +261,8 @@ class AdaptiveBudget:
                 if first is not None and len(sampled_token_ids[i]) == 1:
                     trial_bins.append(first[1])
                     hits.append(first[0] == sampled_token_ids[i][0])
+                    self.request_fit.observe(req_id, int(hits[-1].sum()),
+                                             float(self.calibration.rates[first[1]].sum()))
         return trial_bins, hits
 
     def _log(self, batch_size: int) -> None:

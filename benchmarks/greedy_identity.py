@@ -54,7 +54,7 @@ def run(args) -> dict:
     model = str(prepare_model(args.model))
     tokenizer = AutoTokenizer.from_pretrained(model)
     prompts = [{"prompt_token_ids": chat_prompt_ids(tokenizer, q["turns"][0])} for q in benchmark_questions(args)]
-    spec = {"method": "recycling"} if args.worker == "recycling" else None
+    spec = json.loads(args.spec) if args.worker == "recycling" else None
     llm = LLM(model, dtype=args.dtype, enforce_eager=True, max_model_len=2048, seed=0, speculative_config=spec,
               max_num_seqs=args.batch)
     if args.seeded:
@@ -136,6 +136,9 @@ def main() -> None:
     parser.add_argument("--held-out", action="store_true", help="the questions the draw leaves out")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--tag", default=None)
+    parser.add_argument("--spec", default='{"method": "recycling"}',
+                        help="the speculative config compared with none (default: recycling's default)")
+    parser.add_argument("--batches", default="1,8", help="batch sizes compared (and vLLM alone across them)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--seeded", action="store_true", help=argparse.SUPPRESS)
@@ -144,39 +147,44 @@ def main() -> None:
     if args.worker:
         Path(args.out).write_text(json.dumps(run(args)))
         return
-    ensure_model_prior(args.model, args.dtype)
+    spec = json.loads(args.spec)
+    if spec.get("method") == "recycling":
+        ensure_model_prior(args.model, args.dtype)
+    batches = [int(b) for b in args.batches.split(",")]
+    plan = ([("none", b, False) for b in batches] + [("recycling", b, False) for b in batches]
+            + [("none", batches[0], True), ("recycling", batches[0], True)])
     runs = {}
-    for worker, batch, seeded in (("none", 1, False), ("none", 8, False), ("recycling", 1, False),
-                                  ("recycling", 8, False), ("none", 1, True), ("recycling", 1, True)):
+    for worker, batch, seeded in plan:
         name = f"{worker}, batch {batch}{', seeded' if seeded else ''}"
-        print(f"[{len(runs) + 1}/6] {name}", flush=True)
+        print(f"[{len(runs) + 1}/{len(plan)}] {name}", flush=True)
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             cmd = [sys.executable, __file__, "--worker", worker, "--batch", str(batch), "--out", f.name,
                    "--model", args.model, "--dtype", args.dtype, "--per-category", str(args.per_category),
-                   "--seed", str(args.seed), "--max-tokens", str(args.max_tokens)]
+                   "--seed", str(args.seed), "--max-tokens", str(args.max_tokens), "--spec", args.spec]
             cmd += ["--seeded"] if seeded else []
             cmd += ["--questions", args.questions] if args.questions else []
             cmd += ["--held-out"] if args.held_out else []
             subprocess.run(cmd, check=True)
             runs[name] = json.loads(Path(f.name).read_text())
     near_tie = NEAR_TIE[args.dtype]
-    comparisons = {
-        "recycling against none, batch 1": compare(runs["none, batch 1"], runs["recycling, batch 1"], near_tie),
-        "recycling against none, batch 8": compare(runs["none, batch 8"], runs["recycling, batch 8"], near_tie),
-        "none at batch 8 against none at batch 1 (vLLM alone)": compare(runs["none, batch 1"], runs["none, batch 8"],
-                                                                        near_tie),
-        "seeded: recycling against none, batch 1": compare(runs["none, batch 1, seeded"],
-                                                           runs["recycling, batch 1, seeded"], near_tie),
-    }
+    method = spec["method"] if spec.get("method") != "recycling" or len(spec) == 1 else json.dumps(spec)
+    first = batches[0]
+    comparisons = {f"{method} against none, batch {b}": compare(runs[f"none, batch {b}"], runs[f"recycling, batch {b}"],
+                                                                near_tie) for b in batches}
+    for b in batches[1:]:
+        comparisons[f"none at batch {b} against none at batch {first} (vLLM alone)"] = compare(
+            runs[f"none, batch {first}"], runs[f"none, batch {b}"], near_tie)
+    comparisons[f"seeded: {method} against none, batch {first}"] = compare(
+        runs[f"none, batch {first}, seeded"], runs[f"recycling, batch {first}, seeded"], near_tie)
     head = run_header("greedy_identity.py", args.model)
     report = {**head, "dtype": args.dtype, "near_tie": near_tie, "max_tokens": args.max_tokens,
-              "prompts": len(runs["none, batch 1"]["tokens"]), "comparisons": comparisons,
-              "header": (f"{head['date']}; {head['machine']}; vLLM {head['vllm']}; {len(runs['none, batch 1']['tokens'])} "
+              "prompts": len(runs[f"none, batch {first}"]["tokens"]), "comparisons": comparisons, "spec": spec,
+              "header": (f"{head['date']}; {head['machine']}; vLLM {head['vllm']}; {len(runs[f'none, batch {first}']['tokens'])} "
                          f"Spec-Bench prompts ({'held out' if args.held_out else 'the sample'}, {args.per_category} per "
                          f"category), up to {args.max_tokens} tokens; LD_PRELOAD {head['ld_preload']}; the engine in "
                          f"the benchmark's process. Command: `{head['command']}`.")}
     tag = args.tag or f"{args.model}_{args.dtype}"
-    write_results(f"greedy_identity_{tag}", report, markdown, lambda report, path: None)
+    write_results(f"greedy_identity_{tag}", report, markdown)
     print(markdown(report))
 
 

@@ -96,6 +96,15 @@ def _ancestors(parent: np.ndarray, node: int) -> list[int]:
     return up[::-1]
 
 
+# A step's i-th chains are laid out in scratch blocks (one call for them all) where at most this
+# many tree requests have an i-th chain; where more have one, they share a call of their own in
+# their own blocks. Measured per layer (benchmarks/results/tree_attention_cpu.md, 17-row trees,
+# 300-token prefixes, SmolLM2's shapes): scratch blocks win at 1 request (0.30 against 0.57 ms in
+# bfloat16), break even at 4 (0.70 / 0.76), and lose at 16 (7.6 / 5.5 ms: a copy per chain
+# against a call per 16 chains).
+SCRATCH_REQUESTS = 4
+
+
 @dataclass(frozen=True)
 class PathWave:
     """One call of vLLM's CPU attention kernel in a tree step: one chain of every tree request
@@ -189,16 +198,21 @@ class PathPlan:
                 writes.append([])
             return w
 
-        for r in range(len(step.req_index_np)):
+        chains_of = [node_chains(step.parent_np[r, :int(step.num_rows_np[r])]) for r in range(len(step.req_index_np))]
+        # the i-th chains go to scratch blocks where at most SCRATCH_REQUESTS requests have one:
+        # a call serves every request's i-th chain, a scratch block one chain and its copy
+        counts = np.bincount([len(c) for c in chains_of], minlength=1)
+        having = counts[::-1].cumsum()[::-1]  # having[i]: requests with at least i chains
+        for r, chains in enumerate(chains_of):
             n, root = int(step.num_rows_np[r]), int(step.root_row_np[r])
             parent, prefix, b = step.parent_np[r, :n], int(step.prefix_np[r]), int(step.req_index_np[r])
             held = list(range(n))  # the node whose keys and values position prefix + d holds
             later = 0  # the chains in this request's own blocks so far
-            for chain in node_chains(parent):
+            for i, chain in enumerate(chains):
                 path = _ancestors(parent, chain[0]) + chain
                 rows = [root + node for node in chain]
                 first, last = prefix // block_size, (prefix + len(path) - 1) // block_size
-                if chain[0] != 0 and len(free) >= last - first + 1:
+                if i > 0 and having[i + 1] <= SCRATCH_REQUESTS and len(free) >= last - first + 1:
                     own = {first + i: free.pop() for i in range(last - first + 1)}
                     if prefix % block_size:
                         copies.append((int(block_table[b, first]), own[first], prefix % block_size))

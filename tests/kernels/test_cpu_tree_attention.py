@@ -186,6 +186,27 @@ def test_scratch_blocks_put_every_chain_in_one_call():
     assert set(plan.waves[0].write_slots.tolist()) <= own | scratch
 
 
+def test_many_requests_share_a_call_instead_of_scratch_blocks():
+    """Where more than SCRATCH_REQUESTS tree requests have an i-th chain, those chains share a
+    call in their own blocks (a copy per chain would cost more); where few have one, scratch."""
+    from vllm_recycling.cpu_attention import SCRATCH_REQUESTS
+
+    many = SCRATCH_REQUESTS + 1
+    # many requests with 3 chains each (3 drafts: a, b, c), one with 5 (the whole 11-node tree)
+    s = Batch([3] * many + [10], [37] * many + [5], 4, 2, 64, torch.float32, scratch=40)
+    chains = [len(node_chains(s.step.parent_np[r, :int(n)])) for r, n in enumerate(s.step.num_rows_np)]
+    assert chains == [3] * many + [5]
+    plan = PathPlan.build(s.step, s.table, s.slot_mapping, s.impl, s.isa, s.dtype, s.block_size, s.scratch)
+    # wave 0: every chain 0 (root, a; the last: root, a, aa, aaa, aaaa) and the last request's
+    # chains 3 (ab, aba) and 4 (aab), only it has them; waves 1 and 2: every request's chains 1
+    # (b; the last: b, ba) and 2 (c)
+    assert [w.stop - w.start for w in plan.waves] == [2 * many + 5 + 2 + 1, many + 2, many + 1]
+    assert len(plan.copies[0]) == 2
+    got, _ = s.tree()
+    for r, j, row in s.tree_rows():
+        assert torch.equal(got[row], s.plain_step(r, j))
+
+
 @pytest.mark.parametrize("isa, dtype", [("vec", torch.float32), ("vec", torch.bfloat16), ("amx", torch.bfloat16)])
 def test_copy_positions_in_c_equals_slot_by_slot(isa, dtype):
     """``native.copy_positions`` (runs of each page's layout) against ``move_slots`` slot by slot:

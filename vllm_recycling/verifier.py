@@ -57,6 +57,7 @@ class TreeVerifier:
         )
         if step is not None:
             step.scratch_blocks = self.scratch_blocks
+            step.kv_isa = getattr(getattr(self.move_kv, "__self__", None), "isa", None)
         return step
 
     def verify(

@@ -155,6 +155,23 @@ def test_every_tree_row_is_vllms_plain_step(dtype, block_size, dim, heads, scrat
     assert not got[untouched].any()  # prefill chunks and chains: vLLM's own pass computes them
 
 
+def test_a_layer_in_another_layout_than_the_moves_raises():
+    """Review D3: the moves' layout comes from the model's shapes at start-up, the attention's
+    from vLLM's metadata builder; if they ever differ the step stops instead of moving pages in
+    the wrong layout."""
+    from vllm_recycling.cpu_attention import tree_attention_cpu
+
+    s = Batch([4], [20], 4, 2, 64, torch.float32)
+    s.step.kv_isa = "amx"
+    meta = SimpleNamespace(block_table=s.table, slot_mapping=s.slot_mapping)
+    out = torch.zeros(len(s.query), 4 * 64)
+    with pytest.raises(RuntimeError, match=f"writes the '{s.isa}' KV layout but the accepted nodes' moves were "
+                                           "set up for 'amx'"):
+        tree_attention_cpu(s.step, s.impl, s.layer, s.query, s.key, s.value, s.cache.clone(), meta, out)
+    s.step.kv_isa = s.isa
+    tree_attention_cpu(s.step, s.impl, s.layer, s.query, s.key, s.value, s.cache.clone(), meta, out)
+
+
 def test_threads_give_the_same_bits():
     s = Batch(*RAGGED, 9, 3, 64, torch.bfloat16, block_size=32, seed=4)
     assert torch.equal(s.tree(threads=1)[0], s.tree(threads=2)[0])

@@ -67,6 +67,7 @@ def test_each_row_is_the_plain_step_of_its_position(penalties):
         logits.clone(), rows, torch.from_numpy(rows.row_req), torch.from_numpy(rows.depth), sampling, spec,
     )
     got = out.sampled_token_ids[:, 0].tolist()
+    assert sampler.noise.seeds is None and sampler.noise.noise is None  # nothing of the step kept
     histories = [output[0], output[0] + [11], output[0] + [12], output[0] + [11, 13], output[1], output[1] + [14]]
     for t in range(6):
         b, depth = int(rows.row_req[t]), int(rows.depth[t])

@@ -74,7 +74,8 @@ class GeneratorStates:
     def rewind(self, emitted: list[list[int]]) -> None:
         """emitted: per request (batch order) the tokens the step emitted (host lists). A
         request that emitted k tokens keeps the state after its k-th draw; one that emitted
-        nothing (a discarded partial prefill) is left to vLLM, which rewinds it itself."""
+        nothing (a discarded partial prefill) drew nothing from its generator: on the CPU
+        ``patches.cpu_fixes.SeededChunkedPrefillOnCPU`` holds it out of the step's draws."""
         for b, (generator, states) in self.states.items():
             k = len(emitted[b]) if b < len(emitted) else 0
             if 0 < k < len(states):
@@ -107,7 +108,10 @@ class NodeSampler:
         its scheduled drafts (host lists; node j of a request holds its draft j - 1)."""
         states = NO_STATES if sampling.all_greedy else self._set_noise(logits, rows, depth, sampling.generators)
         expanded = expand_metadata(sampling, rows, row_req, spec_token_ids)
-        return self.sampler(logits=logits, sampling_metadata=expanded), states
+        try:
+            return self.sampler(logits=logits, sampling_metadata=expanded), states
+        finally:  # the step's [T, V] noise is not kept until the next step (review 11-27, D8)
+            self.noise.seeds = self.noise.noise = None
 
     def _set_noise(self, logits, rows: StepRows, depth: torch.Tensor, generators) -> GeneratorStates:
         num_rows, vocab = logits.shape

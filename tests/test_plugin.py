@@ -17,6 +17,7 @@ from vllm_recycling import __version__, patches, plugin, triton_path  # noqa: E4
 from vllm_recycling.config import RecyclingConfigError  # noqa: E402
 
 from engines import ENGINE  # noqa: E402  (tiny_model: a conftest.py fixture)
+from logs import warnings_of  # noqa: E402
 from proposers import make_proposer  # noqa: E402
 
 RECYCLING = {"method": "recycling"}
@@ -431,26 +432,15 @@ def _model_config(tiny_model, monkeypatch, kind):
 def _front_end(tiny_model, monkeypatch, model_config, **spec):
     """EngineArgs after the front end translated ``spec`` on a CUDA platform, and the warnings
     it logged."""
-    import logging
-
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
 
-    from vllm_recycling import LOGGER_NAME
     from vllm_recycling.patches.engine_args import translate_recycling_spec
 
     monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
     args = EngineArgs(tiny_model, **ENGINE, **spec.pop("engine", {}),
                       speculative_config={"method": "recycling", "matrix_init": "empty", **spec})
-    warnings = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: warnings.append(record.getMessage())
-    logger = logging.getLogger(LOGGER_NAME)
-    logger.addHandler(handler)
-    try:
-        translate_recycling_spec(args, model_config)
-    finally:
-        logger.removeHandler(handler)
+    _, warnings = warnings_of(lambda: translate_recycling_spec(args, model_config))
     return args, warnings
 
 

@@ -4,14 +4,14 @@ and the worker's start-up check both run), and the one decision both take on a r
 
 from __future__ import annotations
 
-import logging
 from types import SimpleNamespace
 
 import pytest
 
+from logs import warnings_of
+
 pytest.importorskip("vllm")
 
-from vllm_recycling import LOGGER_NAME  # noqa: E402
 from vllm_recycling.config import RecyclingConfig  # noqa: E402
 from vllm_recycling.support import (  # noqa: E402  (needs vLLM)
     TreesUnsupported, chain_instead, check_tree_support, config_refusal,
@@ -80,28 +80,15 @@ def test_the_worker_check_refuses_from_the_config_before_the_layers():
     assert err.value.why == "kv_cache_dtype='fp8_e4m3' (quantized KV caches are not supported)"
 
 
-def _warnings(run):
-    warnings = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: warnings.append(record.getMessage())
-    logger = logging.getLogger(LOGGER_NAME)
-    logger.addHandler(handler)
-    try:
-        result = run()
-    finally:
-        logger.removeHandler(handler)
-    return result, warnings
-
-
 def test_chain_instead_takes_the_chain_for_an_unset_verify_and_says_why_once():
     problem = TreesUnsupported("the model uses M-RoPE positions")
-    chain, warnings = _warnings(lambda: chain_instead(RecyclingConfig(), problem))
+    chain, warnings = warnings_of(lambda: chain_instead(RecyclingConfig(), problem))
     assert chain == RecyclingConfig().as_chain()
     assert (chain.verify, chain.num_speculative_tokens) == ("chain", 6)
     assert warnings == ["recycling: trees cannot be verified here (the model uses M-RoPE positions): "
                         "verifying the matrix's top-6 chain instead"]
     # another tensor-parallel rank: the same chain, nothing said
-    chain, warnings = _warnings(lambda: chain_instead(RecyclingConfig(), problem, log=False))
+    chain, warnings = warnings_of(lambda: chain_instead(RecyclingConfig(), problem, log=False))
     assert chain == RecyclingConfig().as_chain() and warnings == []
 
 

@@ -197,7 +197,8 @@ def time_budget(batch: int, reps: int = 50, device: str | torch.device = "cpu") 
     (``AdaptiveBudget.propose``): drafts and confidences read to the host in one copy, survival,
     admission and calibration bins there. With the drafts on ``device``; ``benchmarks/kernels.py``
     calls it on a GPU."""
-    from vllm_recycling.budget import Calibration, StepCost, admit, chain_nodes, to_host
+    from vllm_recycling.budget import Calibration, admit, chain_nodes, to_host
+    from vllm_recycling.cost_model import StepCost
     from vllm_recycling.tree import load_tree
 
     tree = load_tree("2.2.2", 8)

@@ -67,7 +67,7 @@ def pin_step_cost(per_token: float):
     ``unpin_step_cost`` puts the learnt one back."""
 
     def pin(worker) -> None:
-        from vllm_recycling.budget import StepCost
+        from vllm_recycling.cost_model import StepCost
 
         drafter = worker.model_runner.drafter
         pinned = StepCost([1, 4096], [1.0, 1.0 + per_token * 4095])

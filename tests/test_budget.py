@@ -1,4 +1,4 @@
-"""The adaptive budget (``vllm_recycling.budget``): admissions on crafted survivals and costs,
+"""The adaptive budget (``vllm_recycling.budget``, ``vllm_recycling.cost_model``): admissions on crafted survivals and costs,
 exactly; the calibration and the cost model."""
 
 import numpy as np
@@ -7,23 +7,18 @@ import torch
 
 from vllm_recycling.budget import (
     FORGET,
-    PRIOR_STD_S,
-    STEP_NOISE_S,
     PRIOR_SCALE,
     PRIOR_TRIALS,
     REQUEST_PRIOR,
     Calibration,
     RequestFit,
-    StepCost,
     admit,
-    break_even,
     chain_nodes,
     confidence_bins,
     monotone,
     nothing_pays,
-    profile_seconds,
-    profile_sizes,
 )
+from vllm_recycling.cost_model import PRIOR_STD_S, STEP_NOISE_S, StepCost, break_even, profile_seconds, profile_sizes
 from vllm_recycling.tree import compile_tree, load_tree
 
 
@@ -336,7 +331,7 @@ def test_a_drafting_step_cost_keeps_marginal_drafts_out():
 
 
 def test_tree_cost_skips_first_tree_steps_and_decays_without_trees():
-    from vllm_recycling.budget import TREE_COST_DECAY, TREE_WARMUP_STEPS
+    from vllm_recycling.cost_model import TREE_COST_DECAY, TREE_WARMUP_STEPS
 
     cost = StepCost([1, 2], [0.0, 0.0])
     for _ in range(TREE_WARMUP_STEPS):  # first calls of the tree path: dear, not learnt

@@ -36,7 +36,8 @@ def test_proposer_auto_budget_sends_what_pays_and_learns_from_it():
     import numpy as np
     import torch
 
-    from vllm_recycling.budget import StepCost, confidence_bins
+    from vllm_recycling.budget import confidence_bins
+    from vllm_recycling.cost_model import StepCost
 
     proposer = make_proposer("shared", tree=[[0], [1], [0, 0]], budget="auto")
     budget = proposer.budget
@@ -68,7 +69,7 @@ def test_profile_times_small_sizes_in_rounds(monkeypatch):
     import numpy as np
 
     from vllm_recycling import adaptive_budget
-    from vllm_recycling.budget import EXACT_PROFILE_TOKENS, profile_sizes
+    from vllm_recycling.cost_model import EXACT_PROFILE_TOKENS, profile_sizes
 
     proposer = make_proposer("shared", tree=[[0], [1], [0, 0]], budget="auto")
     clock, calls = [0.0], []
@@ -94,7 +95,7 @@ def test_proposer_auto_budget_does_not_draft_when_nothing_can_pay():
     import numpy as np
     import torch
 
-    from vllm_recycling.budget import StepCost
+    from vllm_recycling.cost_model import StepCost
 
     proposer = make_proposer("shared", tree=[[0], [1], [0, 0]], budget="auto")
     budget = proposer.budget
@@ -125,7 +126,8 @@ def test_proposer_auto_budget_learns_while_sending_nothing():
     import numpy as np
     import torch
 
-    from vllm_recycling.budget import FORGET, REQUEST_PRIOR, StepCost, confidence_bins
+    from vllm_recycling.budget import FORGET, REQUEST_PRIOR, confidence_bins
+    from vllm_recycling.cost_model import StepCost
 
     proposer = make_proposer("shared", tree=[[0], [1], [0, 0]], budget="auto")
     calibration = proposer.budget.calibration
@@ -321,7 +323,8 @@ def test_auto_budget_sends_a_long_context_match_and_learns_from_it():
     survival pays (a chain: no tree attention), its outcome teaches the context table."""
     import numpy as np
 
-    from vllm_recycling.budget import NUM_BINS, StepCost
+    from vllm_recycling.budget import NUM_BINS
+    from vllm_recycling.cost_model import StepCost
 
     proposer = make_proposer("shared", tree=[[0], [1], [0, 0]], budget="auto", context_match=True)
     budget = proposer.budget

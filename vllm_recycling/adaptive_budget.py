@@ -1,8 +1,8 @@
 """Owns the adaptive budget of one worker (``budget: "auto"``): its calibration, its step-cost
 model, the start-up profile, and each step's decision of which drafted nodes to send.
 
-``budget.py`` holds the arithmetic (``Calibration``, ``StepCost``, ``admit``); this class runs
-it against the steps: ``propose`` decides what the next step verifies and returns it as a
+``budget.py`` and ``cost_model.py`` hold the arithmetic (``Calibration``, ``admit``,
+``StepCost``); this class runs it against the steps: ``propose`` decides what the next step verifies and returns it as a
 ``step.Proposal``, ``learn`` folds a finished ``step.StepRecord`` back in (its measured time
 into the cost model, which sent nodes were accepted into the calibration).
 """
@@ -19,21 +19,18 @@ from vllm.logger import init_logger
 
 from vllm_recycling import LOGGER_NAME
 from vllm_recycling.budget import (
-    EXACT_PROFILE_TOKENS,
-    context_bins,
     SYNC_STEPS,
     Admission,
     Calibration,
     RequestFit,
-    StepCost,
     admit,
     chain_nodes,
+    context_bins,
     no_drafts,
-    to_host,
     nothing_pays,
-    profile_seconds,
-    profile_sizes,
+    to_host,
 )
+from vllm_recycling.cost_model import EXACT_PROFILE_TOKENS, StepCost, profile_seconds, profile_sizes
 from vllm_recycling.drafts import Context, draft
 from vllm_recycling.matrix import AdjacencyMatrix
 from vllm_recycling.step import Proposal, StepRecord
@@ -84,7 +81,7 @@ class AdaptiveBudget:
     # -- start-up --------------------------------------------------------------------------------
     def profile(self, run_tokens: Callable[[int], Any], max_tokens: int) -> None:
         """Time ``run_tokens(n)`` (a forward pass of n tokens) for the sizes of
-        ``budget.profile_sizes`` up to min(max_tokens, PROFILE_MAX_TOKENS): up to
+        ``cost_model.profile_sizes`` up to min(max_tokens, PROFILE_MAX_TOKENS): up to
         EXACT_PROFILE_TOKENS the median of PROFILE_REPEATS rounds, each timing every such size
         once, ascending and descending by turns (a drift of the machine's speed spreads over all
         sizes instead of making one look cheap), above it one run; averaged over tensor-parallel

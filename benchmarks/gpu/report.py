@@ -173,7 +173,7 @@ def step_cost_table(sc: dict) -> list[str]:
     auto = [r for r in sc["rows"] if r["mode"] == "auto" and r.get("budget")]
     if auto:
         lines += ["", "The adaptive budget after its steps at each batch size: the survival a node must have to pay "
-                  "(`budget.break_even`), and the step times its cost model predicts for n nodes per request:", "",
+                  "(`cost_model.break_even`), and the step times its cost model predicts for n nodes per request:", "",
                   "| batch | break-even survival | predicted ms, n = 0 / 1 / 4 / 8 / 16 / 32 / 80 | a, b, c, d (s) |",
                   "|---|---|---|---|"]
         for r in auto:

@@ -14,7 +14,7 @@ then --warmup steps, then --steps timed steps (median, mean, min in ms), then th
 recycling: the engine starts with ``{"method": "recycling", "matrix_init": "empty"}`` (budget
 "auto", the default tree and context branch). First each B under the adaptive budget, the
 nodes it sends per request per step recorded, with what its cost model then says a node must
-survive to pay (``budget.break_even``). Then, for each k of --nodes, the drafter is switched in
+survive to pay (``cost_model.break_even``). Then, for each k of --nodes, the drafter is switched in
 place (``collective_rpc``) to budget "fixed" over the first k nodes of the default tree
 "2.2.2" (breadth-first) without the context branch: the drafts of the start-up configuration
 ``{"method": "recycling", "tree": "2.2.2", "budget": "fixed", "num_speculative_tokens": k,
@@ -57,10 +57,10 @@ def sent_log(worker) -> list[list[int]]:
 
 def budget_state(batch: int):
     """For ``collective_rpc``: the adaptive budget's cost model now and the survival a node
-    must have to pay at ``batch`` decoding requests (``budget.break_even``)."""
+    must have to pay at ``batch`` decoding requests (``cost_model.break_even``)."""
 
     def state(worker) -> dict:
-        from vllm_recycling.budget import break_even
+        from vllm_recycling.cost_model import break_even
 
         drafter = worker.model_runner.drafter
         budget = drafter.budget

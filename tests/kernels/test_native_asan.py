@@ -17,7 +17,7 @@ import pytest
 
 from vllm_recycling.kernels import native
 
-HARNESS = Path(__file__).with_name("asan_harness.c")
+HARNESS = [Path(__file__).with_name(name) for name in ("asan_harness.c", "asan_kv.c")]  # + asan_harness.h
 # native.py's flags that change what the kernels compute or accept; -O3, -shared and -fPIC
 # give way to a debuggable, instrumented executable
 SANITIZE = ["-O1", "-g", "-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-march=native"]
@@ -58,7 +58,7 @@ def harness(compiler, tmp_path_factory) -> dict[str, Path]:
     where = tmp_path_factory.mktemp("asan_harness")
     defines = {"plain": [], "probe": ["-DRC_ASAN_PROBE"]}
     builds = {
-        name: subprocess.Popen([compiler, *FLAGS, *extra, "-o", str(where / name), str(HARNESS),
+        name: subprocess.Popen([compiler, *FLAGS, *extra, "-o", str(where / name), *map(str, HARNESS),
                                 *map(str, native.SOURCES), "-lm"], stderr=subprocess.PIPE, text=True)
         for name, extra in defines.items()
     }

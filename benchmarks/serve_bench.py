@@ -40,7 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from server import Server  # noqa: E402
 from spec_bench import (  # noqa: E402
-    RESULTS, METHODS, ensure_model_prior, run_header, speculative_config, write_results,
+    RESULTS, METHODS, checked_config, ensure_model_prior, run_header, speculative_config, write_results,
 )
 
 # Every server's arguments, after --dtype and before --server-args (``server_args``).
@@ -170,7 +170,7 @@ def main() -> None:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for method in methods:
         try:
-            speculative_config(method)
+            checked_config(method)
         except ValueError as e:
             parser.error(str(e))
     from vllm_recycling.tools.models import prepare_model

@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import hashlib
+import importlib.util
 import json
 import os
 import platform
@@ -109,6 +110,17 @@ def speculative_config(method: str) -> dict | None:
         return spec
     raise ValueError(f"unknown method {method!r}; choose from {list(METHODS)}, "
                      "ngram:k=K:min=A:max=B or recycling:KEY=VALUE:...")
+
+
+def checked_config(method: str) -> dict | None:
+    """``speculative_config``, refused at once (ValueError) where this venv cannot run it, not
+    after the methods before it have run: vLLM's ``suffix`` needs arctic-inference (``make
+    bench`` builds it)."""
+    spec = speculative_config(method)
+    if spec and spec.get("method") == "suffix" and importlib.util.find_spec("arctic_inference") is None:
+        raise ValueError(f"{method!r} needs arctic-inference==0.1.1, not installed in this environment: "
+                         "`make bench` builds it (README, benchmarks/README.md)")
+    return spec
 
 
 def benchmark_questions(args, held_out: bool | None = None) -> list[dict]:
@@ -247,7 +259,7 @@ def main() -> None:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for method in methods:
         try:
-            speculative_config(method)
+            checked_config(method)
         except ValueError as e:
             parser.error(str(e))
     ensure_model_prior(args.model, args.dtype)

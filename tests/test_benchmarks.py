@@ -425,3 +425,27 @@ def test_budget_ceiling_rankings_read_the_accepted_paths(monkeypatch):
     assert np.allclose(learnt["per node"][2], [0.3, 0.3, 0.3 * 0.4])
     # the budget's edges (0.2; 0.9; 0.1 / 0.2 = 0.5 below node 1), times hits over expected hits
     assert np.allclose(learnt["budget x per node"][0], [0.2, 0.9, 0.1])
+
+
+def test_budget_ceiling_taught_table_compares_with_the_whole_trees_ranking():
+    """A top-B run alone: its accepted tokens per decode step (1 + mean path length) against the
+    whole tree's ranking at the same B, their ratio, and its own step figures."""
+    import budget_ceiling as bc
+
+    alone = {"paths": [[1, 3], [2], []], "tokens_per_step": 1.5, "drafts_per_step": 8.0, "seconds": 2.0,
+             "steps": 20, "tokens_per_s": 15.0}
+    rows = bc.taught_table({"top8": alone}, [8], {8: 2.5})
+    assert rows[-2] == "| 8 | 2.50 | 2.00 | 0.800 | 1.50 | 8.0 | 100 | 15.0 |"
+    assert alone["tokens_per_decode_step"] == 2.0  # kept for the JSON
+    assert bc.taught_table({}, [], {}) == []
+
+
+def test_suffix_without_arctic_inference_is_refused_before_anything_runs(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "arctic_inference" else real(name, *a))
+    with pytest.raises(ValueError, match=r"^'suffix' needs arctic-inference==0\.1\.1, not installed .*`make bench`"):
+        spec_bench.checked_config("suffix")
+    assert spec_bench.checked_config("none") is None
+    assert spec_bench.checked_config("recycling auto") == {"method": "recycling"}

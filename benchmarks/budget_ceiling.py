@@ -9,7 +9,9 @@ A subset of nodes (closed under parents) would have accepted the longest prefix 
 inside it, so the best subset of B nodes (grown greedily, a node at a time, by what it adds) is
 what a fixed tree of B nodes could accept at most on those steps, had the matrix learnt what it
 learnt from the whole tree (every verified row writes its successors: a smaller tree teaches it
-less). Writes ``benchmarks/results/budget_ceiling_<model>.{json,md}``.
+less). How much less: ``--taught`` sizes run again with each step verifying only its top B nodes by
+the budget's survival, against the same choice read from the whole tree's run. Writes
+``benchmarks/results/budget_ceiling_<model>.{json,md}``.
 """
 
 from __future__ import annotations
@@ -61,12 +63,12 @@ def run(args, spec: dict) -> dict:
         return out
 
     proposer_module.RecyclingProposer.verify = recording
-    if spec.get("budget") == "every node":  # the budget's machinery, every node admitted
-        import numpy as np
-
+    budget = spec.get("budget", "")
+    if budget == "every node" or budget.startswith("top "):  # the budget's machinery, its admission fixed
         import vllm_recycling.adaptive_budget as budget_module
         from vllm_recycling.budget import Admission
 
+        size = None if budget == "every node" else int(budget.split()[1])
         last: list = []
         propose = budget_module.AdaptiveBudget.propose
 
@@ -76,14 +78,19 @@ def run(args, spec: dict) -> dict:
                 by_proposal[id(proposal)] = last.pop()
             return drafts, proposal
 
-        def admit_all(survival, chain, num_decoding, base_tokens, cost):
+        def admit_fixed(survival, chain, num_decoding, base_tokens, cost):
+            """every node, or the `size` nodes of highest survival (ties: the lower node, so a
+            parent before its child, as ``budget.admit`` and ``ranked_subsets`` take them)"""
             survival = np.asarray(survival)
             last[:] = [survival[0].tolist()]  # one request: its nodes' predicted survival
-            mask = np.ones(survival.shape, dtype=bool)
-            return Admission(mask, int(mask.sum()), survival.shape[0], float(num_decoding + survival.sum()),
+            mask = np.ones(survival.size, dtype=bool)
+            if size is not None:
+                mask[np.argsort(-survival.reshape(-1), kind="stable")[size:]] = False
+            mask = mask.reshape(survival.shape)
+            return Admission(mask, int(mask.sum()), survival.shape[0], float(num_decoding + survival[mask].sum()),
                              float(cost(base_tokens + mask.sum(), survival.shape[0], 1)))
 
-        budget_module.admit = admit_all
+        budget_module.admit = admit_fixed
         budget_module.nothing_pays = lambda *a, **k: False
         budget_module.AdaptiveBudget.propose = proposing
         spec = {key: value for key, value in spec.items() if key != "budget"}
@@ -217,6 +224,30 @@ def depth_of(v: int, parents: list[int]) -> int:
     return d
 
 
+def taught_table(runs: dict, taught: list[int], whole_ranked: dict[int, float]) -> list[str]:
+    """What verifying fewer nodes does to what the matrix learns: each step's top B nodes by the
+    budget's survival verified alone (the matrix and the calibration taught by those rows only)
+    against the same choice read from the whole tree's run (taught by every node)."""
+    if not taught:
+        return []
+    rows = []
+    for b in taught:
+        alone = runs[f"top{b}"]
+        per_decode = 1 + sum(map(len, alone["paths"])) / max(len(alone["paths"]), 1)
+        alone["tokens_per_decode_step"] = round(per_decode, 3)
+        rows.append(f"| {b} | {whole_ranked[b]:.2f} | {per_decode:.2f} | {per_decode / whole_ranked[b]:.3f} | "
+                    f"{alone['tokens_per_step']:.2f} | {alone['drafts_per_step']:.1f} | "
+                    f"{1000 * alone['seconds'] / alone['steps']:.0f} | {alone['tokens_per_s']:.1f} |")
+    return [
+        "What verifying fewer nodes does to what the matrix learns (every verified row writes its token's "
+        "successors; a node not verified teaches nothing): each step's top B nodes by the budget's survival, "
+        "verified alone, against the same choice read from the whole tree's run above (accepted tokens per "
+        "decode step, the bonus token included):", "",
+        "| B | taught by the whole tree | taught by the B nodes alone | ratio | alone: tokens per step (every step) "
+        "| drafts per step | ms per step | tokens/s |",
+        "|---|---|---|---|---|---|---|---|", *rows, ""]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen2.5-coder-0.5b")
@@ -226,12 +257,19 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--held-out", action="store_true")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--taught", default="4,8,15",
+                        help="sizes B (from %s) run alone: each step verifies only its top B nodes by the budget's "
+                        "survival, so the matrix learns from those rows only (empty: none)" % (SIZES,))
     parser.add_argument("--steps", help="also write the whole tree's steps (paths, survivals) to this JSON file")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    taught = [int(b) for b in args.taught.split(",") if b]
+    if any(b not in SIZES for b in taught):
+        parser.error(f"--taught: each size one of {SIZES}")
     if args.worker:
-        spec = {"method": "recycling", **({"budget": "every node"} if args.worker == "whole" else {})}
+        budget = {"whole": "every node", "default": None}.get(args.worker, f"top {args.worker.removeprefix('top')}")
+        spec = {"method": "recycling", **({"budget": budget} if budget else {})}
         Path(args.out).write_text(json.dumps(run(args, spec)))
         return
     import subprocess
@@ -239,7 +277,7 @@ def main() -> None:
 
     ensure_model_prior(args.model, args.dtype)
     runs = {}
-    for worker in ("whole", "default"):  # each in a process of its own
+    for worker in ("whole", "default", *(f"top{b}" for b in taught)):  # each in a process of its own
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             subprocess.run([sys.executable, __file__, "--worker", worker, "--out", f.name, "--model", args.model,
                             "--dtype", args.dtype, "--per-category", str(args.per_category), "--seed",
@@ -278,7 +316,8 @@ def main() -> None:
         "Each step's top nodes: the B nodes a ranking scores highest at that step (taken parent first), the "
         "rankings learnt online from the steps before it: the budget's survival as the run computed it; "
         "per node, each template node's own acceptance below an accepted parent, multiplied along its path; "
-        "the budget's edges times each node's learnt ratio of hits to the budget's expected hits.", ""])
+        "the budget's edges times each node's learnt ratio of hits to the budget's expected hits.", "",
+        *taught_table(runs, taught, rankings["the budget's survival"])])
     (RESULTS / f"budget_ceiling_{args.model}.md").write_text(text)
     (RESULTS / f"budget_ceiling_{args.model}.json").write_text(json.dumps(
         {**head, "runs": {k: {x: y for x, y in v.items() if x not in ("paths", "parents", "predicted", "requests")} for k, v in runs.items()},

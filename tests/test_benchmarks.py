@@ -449,3 +449,21 @@ def test_suffix_without_arctic_inference_is_refused_before_anything_runs(monkeyp
         spec_bench.checked_config("suffix")
     assert spec_bench.checked_config("none") is None
     assert spec_bench.checked_config("recycling auto") == {"method": "recycling"}
+
+
+def test_linear_rows_shapes_and_table():
+    import linear_rows
+
+    config = {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
+              "num_key_value_heads": 2, "intermediate_size": 4864, "vocab_size": 151936}
+    shapes = linear_rows.linear_shapes(config)
+    assert shapes == {"qkv": (1152, 896, 24), "o": (896, 896, 24), "gate_up": (9728, 896, 24),
+                             "down": (896, 4864, 24), "lm_head": (151936, 896, 1)}
+    assert linear_rows.linear_shapes(config | {"head_dim": 128})["qkv"] == (18 * 128, 896, 24)
+    report = {"model": "m", "dtype": "bfloat16", "date": "d", "machine": "x", "ld_preload": "none",
+              "vllm": "0.32.0", "torch": "2", "threads": 2, "command": "c", "shapes": shapes,
+              "kernels": dict.fromkeys(shapes, "oneDNN"), "flop_per_row": 2e9,
+              "ms": {"1": 10.0, "2": 12.0, "4": 20.0}}
+    rows = [line for line in linear_rows.markdown(report).splitlines() if line.startswith("| ")][1:]
+    assert rows == ["| 1 | 10.0 | +0.0 | - | 200 |", "| 2 | 12.0 | +2.0 | 2.00 | 333 |",
+                    "| 4 | 20.0 | +10.0 | 4.00 | 400 |"]

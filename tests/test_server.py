@@ -183,8 +183,14 @@ def test_server_chat_stream_equals_non_stream(client):
 @pytest.mark.slow
 def test_server_spec_decode_metrics(client, server):
     # after the requests above (pytest runs a module's tests in file order); make sure of one
-    client.completions.create(model=MODEL, prompt="1, 2, 3, 4, 5,", max_tokens=MAX_TOKENS, temperature=0,
-                              extra_body=IGNORE_EOS)
+    # with drafts: the step cost pinned cheap, so that this machine's load cannot make the budget
+    # send nothing to the random model
+    collective_rpc(server[0], "recycling_pin_step_cost", "0.001")
+    try:
+        client.completions.create(model=MODEL, prompt="1, 2, 3, 4, 5,", max_tokens=MAX_TOKENS, temperature=0,
+                                  extra_body=IGNORE_EOS)
+    finally:
+        collective_rpc(server[0], "recycling_unpin_step_cost")
     with urllib.request.urlopen(f"{server[0]}/metrics", timeout=30) as response:
         text = response.read().decode()
     drafts = metric_total(text, "vllm:spec_decode_num_drafts_total")

@@ -31,6 +31,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from proposers import greedy_metadata, proposer_of  # noqa: E402  (the tests' proposer without an engine)
 from spec_bench import RESULTS, run_header, write_results  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -43,16 +45,9 @@ PHASES = ("begin_step", "verify", "propose")
 def make_proposer(vocab_size: int, max_num_seqs: int, max_model_len: int):
     """The default configuration's proposer on the CPU, its matrix empty (filled by the steps)."""
     from vllm_recycling.config import RecyclingConfig
-    from vllm_recycling.proposer import RecyclingProposer
 
-    config = RecyclingConfig(matrix_init="empty")
-    return RecyclingProposer(SimpleNamespace(
-        additional_config={"recycling": config.to_dict()},
-        model_config=SimpleNamespace(get_vocab_size=lambda: vocab_size, max_model_len=max_model_len,
-                                     model="plain-step-overhead", revision=None),
-        device_config=SimpleNamespace(device="cpu"),
-        scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
-    ))
+    return proposer_of(RecyclingConfig(matrix_init="empty"), vocab_size, max_num_seqs, max_model_len,
+                       "plain-step-overhead")
 
 
 def step_cost(linear_ms: dict[str, float]):
@@ -62,11 +57,6 @@ def step_cost(linear_ms: dict[str, float]):
 
     rows = sorted(int(m) for m in linear_ms)
     return StepCost(rows, [linear_ms[str(m)] / 1000 for m in rows])
-
-
-GREEDY = SimpleNamespace(all_greedy=True, no_penalties=True, bad_words_token_ids={},
-                         logitsprocs=SimpleNamespace(non_argmax_invariant=[]), allowed_token_ids_mask=None,
-                         max_num_logprobs=None, thinking_budget_state_holder=None)
 
 
 def run_batch(proposer, batch: int, steps: int, vocab: int, dtype: torch.dtype,
@@ -80,7 +70,7 @@ def run_batch(proposer, batch: int, steps: int, vocab: int, dtype: torch.dtype,
     last = history[:, HISTORY - 1].copy()
     qsl = np.arange(batch + 1)
     slots = torch.arange(batch)
-    metadata = SimpleNamespace(num_draft_tokens=[0] * batch)
+    metadata, greedy = SimpleNamespace(num_draft_tokens=[0] * batch), greedy_metadata()
     times: dict[str, list[float]] = {p: [] for p in PHASES}
     for _ in range(steps):
         logits = torch.randn(batch, vocab).to(dtype)
@@ -88,7 +78,7 @@ def run_batch(proposer, batch: int, steps: int, vocab: int, dtype: torch.dtype,
         t0 = time.perf_counter()
         offsets = proposer.begin_step(req_ids, lambda r: None, [0] * batch, qsl, num_tokens - 1, slots)
         t1 = time.perf_counter()
-        output = proposer.verify(req_ids, req_ids, tokens, logits, metadata, GREEDY, None, lambda: [])
+        output = proposer.verify(req_ids, req_ids, tokens, logits, metadata, greedy, None, lambda: [])
         t2 = time.perf_counter()
         if offsets is not None or output is not None:
             raise SystemExit("a step without drafts planned a tree or sampled: not a plain step")

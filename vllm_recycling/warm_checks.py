@@ -15,6 +15,10 @@ as functions of what they read, so that each can be tested without an engine.
   server's cores from ``VLLM_CPU_OMP_THREADS_BIND`` by setting ``OMP_PLACES`` and
   ``OMP_PROC_BIND``, ``GOMP_CPU_AFFINITY`` or ``KMP_AFFINITY`` (vllm/utils/ompmultiprocessing.py:
   71-120), and the same variables set by hand would put the child's threads on those cores.
+- **The KV cache.** The child's engine takes ``PRIOR_KV_CACHE_BYTES`` of KV cache
+  (``kv_cache_memory_bytes``), what ``memory_needed`` counts: the server's
+  ``VLLM_CPU_KVCACHE_SPACE`` (GiB), which on the CPU replaces ``kv_cache_memory_bytes``
+  whenever it is set (vllm/platforms/cpu.py:323-327), is not passed on (``child_env``).
 - **A failure recorded.** A computation that failed leaves ``<key>.failed`` beside the prior's
   place (the error, when it failed, and when to try again: ``FAILED_RETRY_S`` later), so that
   every start of the server does not spawn a child that fails again. ``vllm-recycling warm``
@@ -49,6 +53,9 @@ BINDING_VARIABLES = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU"
 # The weight files vLLM's default loader reads, by preference: the first pattern that finds any
 # (model_executor/model_loader/default_loader.py:185-233).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
+# The server's own engine settings read from the environment, which would override the child's:
+# VLLM_CPU_KVCACHE_SPACE replaces kv_cache_memory_bytes on the CPU (vllm/platforms/cpu.py:323-327).
+SERVER_ONLY_VARIABLES = ("VLLM_CPU_KVCACHE_SPACE",)
 GIB = float(1 << 30)
 
 
@@ -129,9 +136,10 @@ def memory_problem(available: int | None, checkpoint: int | None) -> str | None:
 
 def child_env(environ: dict[str, str]) -> dict[str, str]:
     """The child's environment: ``environ`` without what pins threads to the server's cores
-    (``BINDING_VARIABLES``), its engine core in its own process (it starts in seconds) and
-    vLLM's start-up lines quiet."""
-    env = {k: v for k, v in environ.items() if k not in BINDING_VARIABLES}
+    (``BINDING_VARIABLES``) or sizes the server's KV cache (``SERVER_ONLY_VARIABLES``: the
+    child's is ``PRIOR_KV_CACHE_BYTES``), its engine core in its own process (it starts in
+    seconds) and vLLM's start-up lines quiet."""
+    env = {k: v for k, v in environ.items() if k not in BINDING_VARIABLES and k not in SERVER_ONLY_VARIABLES}
     return {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
 
 

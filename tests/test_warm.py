@@ -89,8 +89,10 @@ def test_the_child_does_not_inherit_the_servers_core_binding():
     env = {"PATH": "/bin", "OMP_NUM_THREADS": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-3", "OMP_PLACES": "{0,1}",
            "OMP_PROC_BIND": "true", "GOMP_CPU_AFFINITY": "0 1", "KMP_AFFINITY": "explicit",
            "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    assert checks.child_env(env) == {"PATH": "/bin", "OMP_NUM_THREADS": "4", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                                     "VLLM_LOGGING_LEVEL": "WARNING"}
+    assert checks.child_env(env) == {"PATH": "/bin", "OMP_NUM_THREADS": "4", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                                     "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
+    # without the variable vLLM binds ("auto", vllm/envs.py:53): the child says nobind either way
+    assert checks.child_env({})["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
 
 
 def test_the_child_takes_its_own_kv_cache_not_the_servers():
@@ -233,7 +235,37 @@ def test_the_background_child_starts_where_the_memory_is_there(front_end, monkey
     assert isinstance(warm.start_prior(args, config, 4, background=True), Child)
     (argv, env), = started
     assert argv[argv.index("--parent") + 1] == str(os.getpid()) and argv[argv.index("--nice") + 1] == "10"
-    assert "VLLM_CPU_OMP_THREADS_BIND" not in env
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+
+
+def test_the_background_child_runs_on_one_rank(front_end, monkeypatch):
+    """A server over several ranks (tensor parallel) starts a child on one: over several its
+    executor would bind the server ranks' cores and hold a copy per rank beyond the memory
+    check's; one rank computes the same prior. On a GPU (synchronous) the ranks are kept: the
+    model may not fit one."""
+    warm, _, config, _ = front_end
+    args = SimpleNamespace(model="m", tensor_parallel_size=2, dtype="bfloat16")
+    started = []
+
+    class Child:
+        def __init__(self, argv, env, stdin):
+            started.append(argv)
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(warm.subprocess, "Popen", Child)
+    monkeypatch.setattr(warm, "read_mem_available", lambda: 3 * GIB)
+    monkeypatch.setattr(warm, "checkpoint_bytes", lambda model, revision, download_dir: GIB)
+    warm.start_prior(args, config, 4, background=True)
+    (argv,) = started
+    assert json.loads(argv[argv.index("--engine-args") + 1]) == {"model": "m", "dtype": "bfloat16"}
+    runs = []
+    monkeypatch.setattr(warm.subprocess, "run", lambda argv, env: runs.append(argv) or
+                        subprocess.CompletedProcess(argv, 1))
+    warm.start_prior(args, config, 4, background=False)
+    (argv,) = runs
+    assert json.loads(argv[argv.index("--engine-args") + 1])["tensor_parallel_size"] == 2
 
 
 @pytest.mark.parametrize("background", [True, False])

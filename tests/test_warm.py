@@ -330,10 +330,75 @@ def test_a_child_waiting_for_the_lock_stops_when_its_parent_is_gone(child, monke
 
     warm, path = child
     monkeypatch.setattr(files, "LOCK_POLL_S", 0.0)
+    monkeypatch.setattr(warm, "exit_with_parent", lambda parent, log: None)  # it would end this test process
     with FileLock(warm.lock_path(path)):
         with pytest.raises(SystemExit) as stopped:
             _main(warm, path, "--parent", str(os.getpid()))  # this process is nobody's parent here
     assert stopped.value.code == 3
+
+
+# A child whose engine takes minutes to start (warm.warm stubbed: LLM(...) calls nothing of ours),
+# started by a parent that prints its pid
+_SLOW_CHILD = """
+import sys, time
+from pathlib import Path
+from vllm_recycling import warm
+
+def starting(kwargs, topk, path, progress=None, resume=None):
+    progress.engine_starting()
+    Path(sys.argv[1]).touch()
+    time.sleep(300)
+
+warm.warm = starting
+sys.exit(warm.main(sys.argv[2:]))
+"""
+_PARENT = """
+import os, subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1], *sys.argv[2:], "--parent", str(os.getpid())])
+print(child.pid, flush=True)
+child.wait()
+"""
+
+
+def _gone(pid):
+    """Whether process ``pid`` has ended (a zombie nobody reaped counts)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
+def test_a_child_whose_engine_is_starting_stops_when_its_parent_is_gone(tmp_path):
+    """A server stopped while the child builds its engine (no batch yet to look for the parent):
+    the child ends within seconds instead of loading a model for nobody."""
+    import signal
+    import sys
+    import time
+
+    flag, log = tmp_path / "engine-starting", tmp_path / "child.log"
+    argv = [sys.executable, "-c", _PARENT, _SLOW_CHILD, str(flag), "--engine-args", json.dumps({"model": "m"}),
+            "--topk", "4", "--out", str(tmp_path / "priors" / "k.safetensors")]
+    with open(log, "wb") as stderr:
+        parent = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    pid = int(parent.stdout.readline())
+    try:
+        deadline = time.monotonic() + 120  # the child imports torch first
+        while not flag.exists() and time.monotonic() < deadline and not _gone(pid):
+            time.sleep(0.1)
+        assert flag.exists(), log.read_text()
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while not _gone(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _gone(pid), "the child still runs with its parent gone"
+        assert "the server stopped; the initial matrix was not finished" in log.read_text()
+    finally:
+        parent.kill()
+        if not _gone(pid):
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_a_model_whose_context_does_not_fit_is_not_computed(child, monkeypatch, caplog):

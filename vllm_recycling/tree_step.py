@@ -27,6 +27,7 @@ Nothing here imports vLLM.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -89,7 +90,8 @@ class TreeStep:
     prefix_len [R] int64: tokens already in its KV cache (the root's position).
     rows [R, W] int64: input row of local node j (clamped inside the request where j >= num_rows).
     valid [R, W] bool: j < num_rows.
-    mask [R, W, W] bool: [r, i, j]: local node j is node i or its ancestor, and both exist.
+    mask [R, W, W] bool (a property, built on first read): [r, i, j]: local node j is node i or
+        its ancestor, and both exist. Only the Triton pass reads it; CPU steps never build it.
     parent [R, W] int64: local index of each node's parent (0 for the root and padding).
     children [R, W, C] int64: local indices of each node's scheduled children, in rank order,
         -1 padded.
@@ -110,7 +112,6 @@ class TreeStep:
     prefix_len: torch.Tensor
     rows: torch.Tensor
     valid: torch.Tensor
-    mask: torch.Tensor
     parent: torch.Tensor
     children: torch.Tensor
     num_tokens: int
@@ -121,6 +122,7 @@ class TreeStep:
     depth_np: np.ndarray  # [R, W] depth of each local node (0 on padding)
     parent_np: np.ndarray  # [R, W] local index of each node's parent (0 for the root and padding)
     prefix_np: np.ndarray  # [R] prefix_len on the host
+    node_np: np.ndarray  # [R, W] template node of each local node (0 on padding)
     cpu_plan: object | None = None
     cpu_causal: tuple | None = None
     scratch_blocks: tuple[int, ...] = ()
@@ -197,9 +199,6 @@ class TreeStep:
         )
 
         t = lambda a, dtype=torch.int64: to_device(a, dtype, device)  # noqa: E731
-        valid = t(valid_np, torch.bool)
-        node = t(node_np)
-        mask = layout.ancestors[node[:, :, None], node[:, None, :]] & valid[:, :, None] & valid[:, None, :]
         step = cls(
             layout=layout,
             req_index=t(req),
@@ -207,8 +206,7 @@ class TreeStep:
             num_rows=t(num_rows),
             prefix_len=t(prefix),
             rows=t(rows_np),
-            valid=valid,
-            mask=mask,
+            valid=t(valid_np, torch.bool),
             parent=t(parent_np),
             children=t(children_np),
             num_tokens=int(qsl[-1]),
@@ -218,8 +216,17 @@ class TreeStep:
             depth_np=depth_np,
             parent_np=parent_np,
             prefix_np=prefix,
+            node_np=node_np,
         )
         return step
+
+    @cached_property
+    def mask(self) -> torch.Tensor:
+        """[R, W, W] bool on the step's device (see the class): built on first read, since only the
+        Triton pass reads it and an R x W x W gather every CPU step is wasted work."""
+        node = to_device(self.node_np, torch.int64, self.layout.ancestors.device)
+        ancestors = self.layout.ancestors[node[:, :, None], node[:, None, :]]
+        return ancestors & self.valid[:, :, None] & self.valid[:, None, :]
 
     def position_offsets(self) -> np.ndarray:
         """[num_tokens] int64 to add to vLLM's positions (prefix + j): depth(j) - j on tree

@@ -6,9 +6,10 @@
  * loop here (the KV kernels byte for byte over the whole cache, which also catches a write into
  * a neighbouring page of the same buffer, invisible to ASan).
  *
- * -DRC_ASAN_PROBE: the caches of rc_copy_positions are allocated RC_PROBE_SHORT bytes short (the
- * harness's own reads and writes keep to what was allocated), so the run must end in ASan's
- * report from inside the kernel: the proof that the buffers here are exact.
+ * -DRC_ASAN_PROBE=PROBE_<kernel> (asan_harness.h): only that kernel's cases, with one buffer it
+ * writes (rc_copy_positions: its cache) RC_PROBE_SHORT bytes short, so the run must end in ASan's
+ * report from inside that kernel; the harness's own reads and writes come after the kernel's
+ * or keep to what was allocated.
  *
  * The KV kernels' cases are in asan_kv.c, what both files share in asan_harness.h. Prints one
  * summary line and exits 0, or 1 after reporting each mismatch. */
@@ -24,6 +25,10 @@ void *exact(size_t bytes) {
         exit(2);
     }
     return p;
+}
+
+void *probed(size_t bytes, int kernel) {
+    return exact(PROBING(kernel) && bytes >= RC_PROBE_SHORT ? bytes - RC_PROBE_SHORT : bytes);
 }
 
 static uint64_t rng = 0x9e3779b97f4a7c15u;
@@ -99,7 +104,7 @@ static void topk_case(int64_t vocab, int bf16, int64_t num_rows, int64_t ld, int
     int32_t *keys = exact((size_t)(num_keys * 4));
     int64_t *key_index = exact((size_t)(num_rows * 8));
     int32_t *key_value = exact((size_t)(num_rows * 4));
-    int64_t *argmax = exact((size_t)(num_rows * 8));
+    int64_t *argmax = probed((size_t)(num_rows * 8), PROBE_TOPK); /* written for every row */
     fill_random(table, table_bytes);
     memset(probs, 0, probs_bytes);
     for (int64_t i = 0; i < num_keys; i++) keys[i] = -1;
@@ -231,7 +236,7 @@ static void draft_case(int64_t batch, int64_t num_nodes, int64_t k, int scope, i
         parent[i] = i ? below(i) : -1;
         rank[i] = i ? below(k) : 0;
     }
-    int32_t *tokens = exact((size_t)(batch * num_nodes * 4));
+    int32_t *tokens = probed((size_t)(batch * num_nodes * 4), PROBE_DRAFT); /* every node written */
     float *conf = with_probs ? exact((size_t)(batch * num_nodes * 4)) : 0;
     const int64_t offset = matrix_rows;
     int rc = rc_draft(table, table_rows, k, probs, roots, batch, parent, rank, num_nodes, row_base, keys,
@@ -294,7 +299,7 @@ static void context_case(int64_t batch, int64_t ld, int64_t min_n, int64_t max_n
     }
     const int64_t lps_n = max_n > 1 ? max_n : 1; /* native.py: max(max_n, 1) */
     int64_t *lps = exact((size_t)(lps_n * 8)), *out = exact((size_t)(batch * length * 8));
-    int64_t *match_len = exact((size_t)(batch * 8));
+    int64_t *match_len = probed((size_t)(batch * 8), PROBE_CONTEXT); /* every request's */
     int rc = rc_context_match(hist, ld, rows, num_tokens, batch, min_n, max_n, length, lps, out, match_len);
     calls[2]++;
     CHECK(rc == 0, "context: rc %d", rc);
@@ -337,12 +342,10 @@ static void context_cases(void) {
 }
 
 int main(void) {
-    if (!RC_PROBE_SHORT) { /* the probe goes straight to the copies */
-        topk_cases();
-        draft_cases();
-        context_cases();
-    }
-    kv_cases();
+    if (RUNS(PROBE_TOPK)) topk_cases();
+    if (RUNS(PROBE_DRAFT)) draft_cases();
+    if (RUNS(PROBE_CONTEXT)) context_cases();
+    if (RUNS(PROBE_MOVE) || RUNS(PROBE_COPY)) kv_cases();
     printf("asan harness: %ld topk_update, %ld draft, %ld context_match, %ld move_slots, %ld copy_positions "
            "calls, %d mismatches\n",
            calls[0], calls[1], calls[2], calls[3], calls[4], failures);

@@ -31,11 +31,16 @@ int rc_copy_positions(void *cache, int64_t num_blocks, int64_t H, int64_t bs, in
 #define MAX_K 64 /* native.c */
 enum { VEC = 0, AMX = 1 }; /* native_kv_layout.h: LAYOUT_VEC, LAYOUT_AMX */
 
-#ifdef RC_ASAN_PROBE
-#define RC_PROBE_SHORT 4 /* bytes */
-#else
-#define RC_PROBE_SHORT 0
+/* -DRC_ASAN_PROBE=PROBE_<kernel>: that kernel's cases alone, one buffer it touches to its last
+ * byte allocated RC_PROBE_SHORT bytes short (``probed``), so the run must end in ASan's report
+ * from inside that kernel: the proof that this kernel's cases run under ASan with exact buffers */
+enum { PROBE_NONE, PROBE_TOPK, PROBE_DRAFT, PROBE_CONTEXT, PROBE_MOVE, PROBE_COPY };
+#ifndef RC_ASAN_PROBE
+#define RC_ASAN_PROBE PROBE_NONE
 #endif
+#define RC_PROBE_SHORT 4 /* bytes */
+#define PROBING(kernel) (RC_ASAN_PROBE == (kernel))
+#define RUNS(kernel) (RC_ASAN_PROBE == PROBE_NONE || PROBING(kernel)) /* its cases run in this build */
 
 extern int failures;
 extern long calls[5]; /* topk, draft, context, move, copy */
@@ -53,6 +58,8 @@ extern long calls[5]; /* topk, draft, context, move, copy */
 
 /* exactly `bytes`: ASan poisons everything after them (malloc(0) included) */
 void *exact(size_t bytes);
+/* exactly `bytes`, RC_PROBE_SHORT fewer (where it has that many) in the build probing `kernel` */
+void *probed(size_t bytes, int kernel);
 uint64_t next(void);     /* xorshift64*, one stream for the whole run */
 int64_t below(int64_t n); /* 0 .. n-1; 0 for n <= 0 */
 void fill_random(void *p, size_t bytes);

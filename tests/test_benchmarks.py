@@ -487,3 +487,27 @@ def test_plain_step_overhead_runs_plain_steps_and_tabulates():
     rows = [line for line in overhead.markdown(report).splitlines() if line.startswith("| ")][1:]
     assert rows == ["| 1 | 0.050 | 0.100 | 0.150 | 0.300 | 30.0 | 1.00% |",
                     "| 4 | 0.100 | 0.500 | 0.600 | 1.200 | 60.0 | 2.00% |"]
+
+
+def test_greedy_identity_near_tie_needs_the_same_distribution():
+    import greedy_identity
+
+    top = [[(5, -0.1), (6, -0.35), (7, -3.0)]]  # token 6 is 0.25 below the top: bfloat16's largest tie
+    base = {"tokens": [[5]], "top": [top]}
+
+    def other(logprobs):
+        return {"tokens": [[6]], "top": [[logprobs]]}
+
+    near, noise = greedy_identity.NEAR_TIE["bfloat16"], greedy_identity.LOGPROB_NOISE["bfloat16"]
+    # the other run's logprobs 0.2 apart (within the noise measured at legitimate divergences)
+    row = greedy_identity.compare(base, other([(6, -0.15), (5, -0.3), (7, -3.0)]), near, noise)["rows"][0]
+    assert row["near_tie"] and row["gap"] == pytest.approx(0.25) and row["logprob_difference"] == pytest.approx(0.2)
+    # the same token at another distribution: what a faulty tree kernel gives
+    got = greedy_identity.compare(base, other([(6, -0.05), (5, -3.0), (7, -4.0)]), near, noise)
+    assert not got["rows"][0]["near_tie"] and got["near_ties"] == 0
+    assert not greedy_identity.compare(base, other([(8, -0.1), (9, -1.0)]), near, noise)["rows"][0]["near_tie"]
+    # a gap beyond the threshold is no near-tie whatever the logprobs
+    far = {"tokens": [[5]], "top": [[[(5, -0.1), (6, -0.5)]]]}
+    assert not greedy_identity.compare(far, other([(5, -0.1), (6, -0.5)]), near, noise)["rows"][0]["near_tie"]
+    # measured: the largest legitimate bfloat16 gap is 0.25, the runs' logprobs at most 0.27 apart
+    assert near >= 0.25 and 0.27 < noise <= 0.5

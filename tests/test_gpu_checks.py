@@ -136,6 +136,52 @@ def test_report_summarises_every_step(tmp_path):
     assert json.loads((out / "results.json").read_text())["pytest"]["counts"] == {"passed": 1, "skipped": 1}
 
 
+def test_report_fails_a_divergence_at_another_distribution(tmp_path):
+    """A recycling run whose token at its first difference is near the top (gap 0.05) but whose
+    logprobs there are 1.5 apart (a faulty tree kernel) is a failure, not a near-tie; a
+    divergence of vLLM alone is not the plugin's."""
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir()
+    top = [[(5, -0.1), (6, -0.15), (7, -3.0)], [(8, -0.5), (9, -2.0)]]
+    elsewhere = [[(6, -0.05), (5, -1.6), (7, -3.0)], [(8, -0.5), (9, -2.0)]]
+    for dtype in ("float32", "bfloat16"):
+        # float32: vLLM alone takes 6 at batch 8, and recycling's batch 8 does as vLLM's
+        batch_8 = _answers([[6, 8]], [top]) if dtype == "float32" else _answers([[5, 8]], [top])
+        none = {"batch": 8, "greedy_batch_1": _answers([[5, 8]], [top]), "greedy_batch_8": batch_8}
+        (work / f"identity_none_{dtype}.json").write_text(json.dumps(none))
+        rec = {"batch": 8, "greedy_batch_1": _answers([[5, 8]], [top]),
+               "greedy_batch_8": _answers([[6, 8]], [elsewhere if dtype == "bfloat16" else top]),
+               "worker": {"verifier": True, "drafts_trees": True}}
+        (work / f"identity_recycling_{dtype}.json").write_text(json.dumps(rec))
+    subprocess.run([sys.executable, str(GPU / "report.py"), str(work), str(out)], check=True, capture_output=True)
+    summary = (out / "summary.txt").read_text()
+    assert ("(b) bfloat16, recycling against none, batch 8: 0/1 identical, 0 at near-ties, 1 otherwise (prompt 0 "
+            "at 0: gap 0.05, top-5 logprobs 1.5 apart, NO near-tie)") in summary
+    assert "(b) FAILED: divergences that are no near-tie (bfloat16, recycling against none, batch 8: prompts 0)" \
+        in summary
+    results = json.loads((out / "results.json").read_text())["identity"]
+    assert results["bfloat16"]["failures"] == {"recycling against none, batch 8": [0]}
+    assert results["float32"]["failures"] == {}  # vLLM alone diverged there: the yardstick, no failure
+    assert "none at batch 8 against none at batch 1 (vLLM alone): 0/1 identical, 0 at near-ties" in summary
+    assert "**FAILED: divergences that are no near-tie" in (out / "results.md").read_text()
+
+
+def test_report_passes_near_ties_only(tmp_path):
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir()
+    top = [[(5, -0.1), (6, -0.15), (7, -3.0)]]
+    near = [[(6, -0.1), (5, -0.12), (7, -3.0)]]
+    for dtype in ("float32", "bfloat16"):
+        (work / f"identity_none_{dtype}.json").write_text(json.dumps({"batch": 8, "greedy_batch_1": _answers([[5]], [top])}))
+        (work / f"identity_recycling_{dtype}.json").write_text(json.dumps({
+            "batch": 8, "greedy_batch_1": _answers([[6 if dtype == "bfloat16" else 5]], [near if dtype == "bfloat16" else top]),
+            "worker": {"verifier": True}}))
+    subprocess.run([sys.executable, str(GPU / "report.py"), str(work), str(out)], check=True, capture_output=True)
+    summary = (out / "summary.txt").read_text()
+    assert "(b) bfloat16, recycling against none, batch 1: 0/1 identical, 1 at near-ties, 0 otherwise" in summary
+    assert "(b) passed: every greedy divergence of a recycling run is a near-tie" in summary
+
+
 def test_report_without_any_step(tmp_path):
     (tmp_path / "work").mkdir()
     subprocess.run([sys.executable, str(GPU / "report.py"), str(tmp_path / "work"), str(tmp_path / "out")],

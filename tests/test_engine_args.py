@@ -292,3 +292,16 @@ def test_cuda_front_end_sets_what_trees_need_where_the_model_allows_them(tiny_mo
     assert args.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
     assert args.additional_config["recycling"]["verify"] is None
     assert warnings == []
+
+
+def test_pipeline_parallelism_is_refused_up_front(tiny_model):
+    """vLLM builds the drafter on the last pipeline stage only (v1/worker/gpu_model_runner.py:590):
+    the other stages' runners would hold none. Refused in the front end, before any engine, with
+    what does work."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    for spec in (RECYCLING, {"method": "recycling", "verify": "chain"}):
+        args = EngineArgs(tiny_model, **ENGINE, pipeline_parallel_size=2, speculative_config=spec)
+        with pytest.raises(RecyclingConfigError, match=r"pipeline parallelism \(pipeline_parallel_size=2\).*"
+                                                       r"tensor parallelism works"):
+            args.create_engine_config()

@@ -63,6 +63,15 @@ def translate_recycling_spec(engine_args: Any, target_model_config: Any) -> None
     from vllm_recycling.config import ADDITIONAL_CONFIG_KEY, RecyclingConfig, RecyclingConfigError
 
     config = RecyclingConfig.from_dict(engine_args.speculative_config)
+    pipeline = engine_args.pipeline_parallel_size
+    if pipeline > 1:
+        # vLLM builds the drafter on the last stage only (v1/worker/gpu_model_runner.py:590), and
+        # the drafts, tree positions and verification all live in one runner
+        raise RecyclingConfigError(
+            f"speculative method 'recycling' does not run with pipeline parallelism "
+            f"(pipeline_parallel_size={pipeline}): vLLM builds the drafter on the last pipeline stage "
+            "only; tensor parallelism works (tensor_parallel_size)"
+        )
     # a bad snapshot (its table or its confidences) fails now, not in a worker
     config.initial_matrix(target_model_config.get_vocab_size(), with_probs=True)
     plugins = logits_processor_plugins()

@@ -157,6 +157,8 @@ class PathPlan:
     waves: the kernel calls, in order.
     write_rows [M] int64: the rows each wave writes (``PathWave.writes``), then the rows put
         back to their own slots, restore_slots [m] int64 (the last m).
+    own_slots [N] int64: each row's own slot (``rows``' in the step's slot mapping), where a
+        layer whose kernel call raised puts every node back.
     The buffers the layers share (the chains' queries, outputs, and the written keys and
     values) are allocated in the step's first layer.
     """
@@ -165,6 +167,7 @@ class PathPlan:
     waves: tuple[PathWave, ...]
     write_rows: torch.Tensor
     restore_slots: torch.Tensor
+    own_slots: torch.Tensor
     copies: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     _buffers: tuple | None = None
 
@@ -260,7 +263,7 @@ class PathPlan:
         write_rows += [row for row, _ in restore]
         copy = np.array(copies, dtype=np.int64).reshape(-1, 3)
         return cls(rows=longs(rows), waves=tuple(planned), write_rows=longs(write_rows),
-                   restore_slots=longs([s for _, s in restore]),
+                   restore_slots=longs([s for _, s in restore]), own_slots=longs(slots[rows]),
                    copies=tuple(torch.from_numpy(np.ascontiguousarray(copy[:, i])) for i in range(3)))
 
     def __call__(self, impl, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -277,20 +280,29 @@ class PathPlan:
         torch.index_select(query, 0, self.rows, out=q)
         torch.index_select(key, 0, self.write_rows, out=k)
         torch.index_select(value, 0, self.write_rows, out=v)
-        if len(self.copies[0]):
-            copy_positions(kv_cache, *self.copies, layer.isa)
         num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
         key_cache, value_cache = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size, -1).chunk(2, dim=2)
         write, attend = torch.ops._C.cpu_attn_reshape_and_cache, torch.ops._C.cpu_attention_with_kv_cache
         k_scale, v_scale, cache_dtype = layer._k_scale_float, layer._v_scale_float, impl.kv_cache_dtype
-        for wave in self.waves:
-            if wave.writes.stop > wave.writes.start:
-                write(k[wave.writes], v[wave.writes], key_cache, value_cache, wave.write_slots, layer.isa, k_scale,
-                      v_scale, cache_dtype)
-            # _custom_ops.cpu_attention_with_kv_cache's arguments, in its order (_custom_ops.py:3907-3946)
-            attend(q[wave.start:wave.stop], key_cache, value_cache, out[wave.start:wave.stop], wave.query_start_loc,
-                   wave.seq_lens, impl.scale, True, impl.alibi_slopes, impl.sliding_window, wave.block_table,
-                   impl.logits_soft_cap, wave.scheduler_metadata, impl.sinks, None, k_scale, v_scale, cache_dtype)
+        try:
+            if len(self.copies[0]):
+                copy_positions(kv_cache, *self.copies, layer.isa)
+            for wave in self.waves:
+                if wave.writes.stop > wave.writes.start:
+                    write(k[wave.writes], v[wave.writes], key_cache, value_cache, wave.write_slots, layer.isa,
+                          k_scale, v_scale, cache_dtype)
+                # _custom_ops.cpu_attention_with_kv_cache's arguments, in its order (_custom_ops.py:3907-3946)
+                attend(q[wave.start:wave.stop], key_cache, value_cache, out[wave.start:wave.stop],
+                       wave.query_start_loc, wave.seq_lens, impl.scale, True, impl.alibi_slopes, impl.sliding_window,
+                       wave.block_table, impl.logits_soft_cap, wave.scheduler_metadata, impl.sinks, None, k_scale,
+                       v_scale, cache_dtype)
+        except BaseException:
+            # a wave stopped part way: the slots a later wave would have put back may hold other
+            # nodes, so every node goes back to its own slot (where the moves read it); a slot no
+            # wave reached gets what vLLM's update wrote there
+            write(key.index_select(0, self.rows), value.index_select(0, self.rows), key_cache, value_cache,
+                  self.own_slots, layer.isa, k_scale, v_scale, cache_dtype)
+            raise
         restored = len(self.restore_slots)
         if restored:
             write(k[-restored:], v[-restored:], key_cache, value_cache, self.restore_slots, layer.isa, k_scale,

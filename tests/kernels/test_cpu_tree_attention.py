@@ -191,6 +191,36 @@ def test_plan_writes_only_the_requests_own_tree_slots():
     assert set(plan.restore_slots.tolist()) <= own
 
 
+@pytest.mark.parametrize("scratch", [0, 3], ids=lambda n: f"scratch{n}")
+def test_a_kernel_call_that_raises_leaves_every_node_in_its_own_slot(monkeypatch, scratch):
+    """A layer whose second kernel call raises (after a wave wrote path nodes over the tree
+    rows' slots) still puts every node back where vLLM's update left it, and writes no output."""
+    s = Batch([10, 3], [37, 5], 4, 2, 64, torch.float32, scratch=scratch)
+    plan = PathPlan.build(s.step, s.table, s.slot_mapping, s.impl, s.isa, s.dtype, s.block_size, s.scratch)
+    assert len(plan.waves) >= 2 and len(plan.write_rows) > len(plan.restore_slots) > 0
+    attend, calls = torch.ops._C.cpu_attention_with_kv_cache, []
+
+    def second_raises(*args):
+        calls.append(len(calls))
+        if len(calls) == 2:
+            raise RuntimeError("the kernel failed")
+        return attend(*args)
+
+    monkeypatch.setattr(torch.ops._C, "cpu_attention_with_kv_cache", second_raises)
+    cache, out = s.cache.clone(), torch.zeros(len(s.query), s.heads * s.dim)
+    with pytest.raises(RuntimeError, match="the kernel failed"):
+        plan(s.impl, s.layer, s.query, s.key, s.value, cache, out)
+    owned = torch.ones(cache.shape[0], dtype=torch.bool)
+    owned[list(s.scratch)] = False
+    assert torch.equal(cache[owned], s.cache[owned]) and not out.any()
+    monkeypatch.setattr(torch.ops._C, "cpu_attention_with_kv_cache", attend)
+    plan(s.impl, s.layer, s.query, s.key, s.value, cache, out)  # the next layer runs as if nothing happened
+    got = out.view(len(s.query), s.heads, s.dim)
+    for r, j, row in s.tree_rows():
+        assert torch.equal(got[row], s.plain_step(r, j))
+    assert torch.equal(cache[owned], s.cache[owned])
+
+
 def test_scratch_blocks_put_every_chain_in_one_call():
     s = Batch([10, 3], [37, 5], 4, 2, 64, torch.float32, scratch=12)
     plan = PathPlan.build(s.step, s.table, s.slot_mapping, s.impl, s.isa, s.dtype, s.block_size, s.scratch)

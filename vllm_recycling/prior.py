@@ -50,7 +50,9 @@ POLL_S = 1.0
 POLL_STEPS = 32
 # A version of the prior file that failed to load is tried again at most this often.
 RETRY_S = 30.0
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+# The weight files vLLM's default loader reads from a folder, by preference: the first suffix that
+# finds any (model_executor/model_loader/default_loader.py:185-233). vLLM 0.32 has no GGUF loader.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 
 
 class PriorError(ValueError):
@@ -103,7 +105,7 @@ def model_identity(model: str, revision: str | None = None) -> dict:
             identity["config_sha256"] = hashlib.sha256(config.read_bytes()).hexdigest()
         identity["weights"] = sorted(
             (f.name, f.stat().st_size, int(f.stat().st_mtime))
-            for f in path.iterdir() if f.is_file() and f.suffix in _WEIGHT_SUFFIXES
+            for f in path.iterdir() if f.is_file() and f.suffix in WEIGHT_SUFFIXES
         )
     return identity
 

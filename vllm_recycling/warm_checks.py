@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_recycling.prior import PriorError
+from vllm_recycling.prior import WEIGHT_SUFFIXES, PriorError
 
 PRIOR_KV_CACHE_BYTES = 1 << 30  # the child engine's KV cache (warm.warm)
 PRIOR_MAX_MODEL_LEN = 1024  # the child engine's positions at most: the context and the token
@@ -55,9 +55,6 @@ MEMINFO = "/proc/meminfo"
 # What pins OpenMP threads to cores (vllm/utils/ompmultiprocessing.py:71-120 and 122-171).
 BINDING_VARIABLES = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU", "OMP_PLACES",
                      "OMP_PROC_BIND", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
-# The weight files vLLM's default loader reads, by preference: the first pattern that finds any
-# (model_executor/model_loader/default_loader.py:185-233).
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 # The server's own engine settings read from the environment, which would override the child's:
 # VLLM_CPU_KVCACHE_SPACE replaces kv_cache_memory_bytes on the CPU (vllm/platforms/cpu.py:323-327).
 SERVER_ONLY_VARIABLES = ("VLLM_CPU_KVCACHE_SPACE",)
@@ -91,7 +88,7 @@ def weights_bytes(folder: Path) -> int | None:
         entries = list(folder.iterdir())
     except OSError:
         return None
-    for suffix in _WEIGHT_SUFFIXES:
+    for suffix in WEIGHT_SUFFIXES:
         sizes = [f.stat().st_size for f in entries if f.suffix == suffix and f.is_file()]  # links followed
         if sizes:
             return sum(sizes)

@@ -18,6 +18,24 @@ from vllm_recycling.cpu_kv_cache import copy_positions
 from vllm_recycling.tree_step import TreeLayout, TreeStep
 
 
+def scheduler_metadata_for(impl, isa: str, dtype: torch.dtype, query_start_loc: torch.Tensor,
+                           seq_lens: torch.Tensor, split_kv: bool) -> torch.Tensor:
+    """vLLM's work plan for one causal call of its CPU attention kernel
+    (``ops.cpu_attn_get_scheduler_metadata``, _custom_ops.py:3850, as the metadata builder
+    makes it, v1/attention/backends/cpu_attn.py:254-268) over requests with query_start_loc
+    [n + 1] int32 and seq_lens [n] int32, for the layers' impl (heads, head size, window, cache
+    dtype), layout ``isa`` and the model's dtype; split_kv: whether the last query row of a
+    request may have its keys split between threads."""
+    from vllm import _custom_ops as ops
+
+    return ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=len(seq_lens), num_heads=impl.num_heads, num_kv_heads=impl.num_kv_heads,
+        head_dim=impl.head_size, seq_lens=seq_lens, dtype=dtype, query_start_loc=query_start_loc, causal=True,
+        sliding_window_size=impl.sliding_window, isa=isa, enable_kv_split=split_kv,
+        kv_cache_dtype=impl.kv_cache_dtype,
+    )
+
+
 def tree_rows_spared_metadata(step: TreeStep, meta, impl, isa: str, dtype: torch.dtype):
     """vLLM's ``CPUAttentionMetadata`` (v1/attention/backends/cpu_attn.py:109-128) for the
     causal kernel of a tree step, without the work of the tree rows, which ``PathPlan``
@@ -26,9 +44,8 @@ def tree_rows_spared_metadata(step: TreeStep, meta, impl, isa: str, dtype: torch
     position 0 only (query 1, seq_len 1, the same block table row), whose result is then
     overwritten. impl: the layer's ``CPUAttentionBackendImpl``; isa: ``layer.isa``; dtype: the
     model's. The scheduler metadata is vLLM's own for the new layout
-    (``ops.cpu_attn_get_scheduler_metadata``, built as the metadata builder does, 254-268). None
-    where the layout is not the plain causal one this assumes (dynamic or no causal mask)."""
-    from vllm import _custom_ops as ops
+    (``scheduler_metadata_for``). None where the layout is not the plain causal one this assumes
+    (dynamic or no causal mask)."""
     from vllm import envs
 
     if not meta.causal or meta.dynamic_causal is not None or meta.use_sdpa_prefill:
@@ -49,12 +66,8 @@ def tree_rows_spared_metadata(step: TreeStep, meta, impl, isa: str, dtype: torch
     new_qsl = np.concatenate([[0], np.cumsum(new_q)]).astype(np.int32)
     query_start_loc = torch.from_numpy(new_qsl)
     seq_lens_t = torch.from_numpy(new_seq.astype(np.int32))
-    scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=owner.size, num_heads=impl.num_heads, num_kv_heads=impl.num_kv_heads,
-        head_dim=impl.head_size, seq_lens=seq_lens_t, dtype=dtype, query_start_loc=query_start_loc, causal=True,
-        sliding_window_size=impl.sliding_window, isa=isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
-        kv_cache_dtype=impl.kv_cache_dtype,
-    )
+    scheduler_metadata = scheduler_metadata_for(impl, isa, dtype, query_start_loc, seq_lens_t,
+                                                split_kv=envs.VLLM_CPU_ATTN_SPLIT_KV)
     return replace(
         meta, query_start_loc=query_start_loc, seq_lens=seq_lens_t,
         block_table=meta.block_table[torch.from_numpy(owner)], scheduler_metadata=scheduler_metadata,
@@ -186,8 +199,6 @@ class PathPlan:
         last block start to its path's end replaced by scratch blocks, which get the prefix's
         positions in that block (``copies``) and the path's nodes. The chains left over take
         one wave each per request, in its own blocks."""
-        from vllm import _custom_ops as ops
-
         slots = slot_mapping.numpy()
         free = [int(b) for b in scratch_blocks][::-1]
         waves: list[list[tuple[int, list[int], int, dict]]] = []  # per wave: (batch index, rows, seq_len, blocks)
@@ -249,12 +260,7 @@ class PathPlan:
             for i, (_, _, _, own) in enumerate(chains):
                 for index, block in own.items():
                     table[i, index] = block
-            metadata = ops.cpu_attn_get_scheduler_metadata(
-                num_reqs=len(chains), num_heads=impl.num_heads, num_kv_heads=impl.num_kv_heads,
-                head_dim=impl.head_size, seq_lens=seq_lens, dtype=dtype, query_start_loc=query_start_loc,
-                causal=True, sliding_window_size=impl.sliding_window, isa=isa, enable_kv_split=False,
-                kv_cache_dtype=impl.kv_cache_dtype,
-            )
+            metadata = scheduler_metadata_for(impl, isa, dtype, query_start_loc, seq_lens, split_kv=False)
             planned.append(PathWave(
                 start=start, stop=len(rows), query_start_loc=query_start_loc, seq_lens=seq_lens,
                 block_table=table, scheduler_metadata=metadata,

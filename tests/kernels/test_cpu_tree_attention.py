@@ -221,6 +221,39 @@ def test_a_kernel_call_that_raises_leaves_every_node_in_its_own_slot(monkeypatch
     assert torch.equal(cache[owned], s.cache[owned])
 
 
+@pytest.mark.parametrize("split_kv", [False, True])
+def test_tree_rows_spared_metadata_is_vllms_for_the_rows_left(monkeypatch, split_kv):
+    """The causal kernel's metadata of a tree step: the prefill chunk keeps its rows, each tree
+    row becomes a request of one query row over position 0 in its request's blocks, and the
+    work plan is the one vLLM's own call makes of that layout (``VLLM_CPU_ATTN_SPLIT_KV`` as
+    vLLM's metadata builder reads it)."""
+    from vllm import envs
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
+
+    from vllm_recycling.cpu_attention import tree_rows_spared_metadata
+
+    monkeypatch.setattr(envs, "VLLM_CPU_ATTN_SPLIT_KV", split_kv, raising=False)
+    calls = []  # the work plan is an opaque buffer: what vLLM's call was asked for is compared
+    monkeypatch.setattr(ops, "cpu_attn_get_scheduler_metadata", lambda **kwargs: calls.append(kwargs) or "plan")
+    s = Batch([10, 3], [37, 5], 4, 2, 64, torch.float32)
+    seq_lens = torch.tensor(s.computed + np.diff(s.qsl), dtype=torch.int32)
+    meta = CPUAttentionMetadata(
+        num_actual_tokens=int(s.qsl[-1]), max_query_len=11, query_start_loc=torch.tensor(s.qsl, dtype=torch.int32),
+        max_seq_len=int(seq_lens.max()), seq_lens=seq_lens, block_table=s.table, slot_mapping=s.slot_mapping,
+        scheduler_metadata=None)
+    got = tree_rows_spared_metadata(s.step, meta, s.impl, s.isa, s.dtype)
+    qsl = torch.tensor([0, *range(3, 19)], dtype=torch.int32)
+    lens = torch.tensor([3] + [1] * 15, dtype=torch.int32)
+    assert torch.equal(got.query_start_loc, qsl) and torch.equal(got.seq_lens, lens)
+    assert torch.equal(got.block_table, s.table[[0] + [1] * 11 + [2] * 4])
+    assert (got.max_query_len, got.max_seq_len) == (3, 3)
+    (call,) = calls
+    assert got.scheduler_metadata == "plan"
+    assert torch.equal(call.pop("query_start_loc"), qsl) and torch.equal(call.pop("seq_lens"), lens)
+    assert call == dict(num_reqs=16, num_heads=4, num_kv_heads=2, head_dim=64, dtype=s.dtype, causal=True,
+                        sliding_window_size=-1, isa=s.isa, enable_kv_split=split_kv, kv_cache_dtype="auto")
+
+
 def test_scratch_blocks_put_every_chain_in_one_call():
     s = Batch([10, 3], [37, 5], 4, 2, 64, torch.float32, scratch=12)
     plan = PathPlan.build(s.step, s.table, s.slot_mapping, s.impl, s.isa, s.dtype, s.block_size, s.scratch)

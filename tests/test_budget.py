@@ -12,6 +12,7 @@ from vllm_recycling.budget import (
     REQUEST_PRIOR,
     Calibration,
     RequestFit,
+    TreeShape,
     admit,
     chain_nodes,
     confidence_bins,
@@ -418,3 +419,162 @@ def test_drafting_resumes_after_a_few_slow_steps():
         assert True in after, f"{stall} slow steps: no drafting in the 2000 steps after them"
         resumed = after.index(True)
         assert resumed <= 10 * 32 and all(after[resumed:]), (stall, resumed)
+
+
+# -- the tree's shape: chains beyond one per tree ------------------------------------------------
+# root -> 1 [0], 2 [1], 3 [2], 4 [3]; 2 -> 5 [1, 0] -> 6 [1, 0, 0]: the rank-0 chain is node 1 alone
+SHAPED = [[0], [1], [2], [3], [1, 0], [1, 0, 0]]
+
+
+def shaped_template():
+    tree = compile_tree(SHAPED, topk=4)
+    parent = tree.parent.clamp(min=0).numpy()
+    return TreeShape.of(parent, tree.level_starts), chain_nodes(tree.parent, tree.rank)
+
+
+class Priced:
+    """``linear`` plus ``chain_seconds`` per chain beyond one per tree (StepCost's e)."""
+
+    def __init__(self, per_token, per_chain, per_tree=0.0, steps=None):
+        self.per_token, self.per_tree, self.chain_seconds, self.steps = per_token, per_tree, per_chain, steps
+
+    def __call__(self, tokens, trees, drafted=0, extra_chains=0):
+        t = np.asarray(tokens, dtype=np.float64)
+        base = (np.array([self.steps.get(int(n), 9.0) for n in np.atleast_1d(t)]) if self.steps
+                else 1.0 + self.per_token * t)
+        return base + self.per_tree * np.asarray(trees) + self.chain_seconds * np.asarray(extra_chains)
+
+
+def test_tree_shape_counts_each_nodes_chains():
+    shape, _ = shaped_template()
+    survival = np.array([[0.9, 0.6, 0.6, 0.6, 0.6, 0.5],   # node 1 leads the root's children
+                         [0.5, 0.7, 0.7, 0.1, 0.7, 0.7]])  # node 2 does, ties to the lower index
+    extra, head = shape.extra_chains(survival)
+    assert extra.tolist() == [[False, True, True, True, False, False], [True, False, True, True, False, False]]
+    # columns: node - 1; -1 the root's chain (first children from the root down)
+    assert head.tolist() == [[-1, 1, 2, 3, 1, 1], [0, -1, 2, 3, -1, -1]]
+
+
+def test_bushy_and_deep_trees_of_equal_size_cost_apart_once_chains_cost():
+    shape, chain = shaped_template()
+    bushy = torch.tensor([[0.5, 0.5, 0.5, 0.5, 0.01, 0.01]])  # nodes 1-4: four leaves
+    deep = torch.tensor([[0.5, 0.5, 0.01, 0.01, 0.5, 0.5]])   # nodes 1, 2, 5, 6: two leaves
+    for per_chain in (0.0, 0.02):
+        cost = Priced(0.01, per_chain, per_tree=0.05)
+        wide, narrow = admit(bushy, chain, 1, 1, cost, shape), admit(deep, chain, 1, 1, cost, shape)
+        assert wide.num_admitted == narrow.num_admitted == 4 and wide.trees == narrow.trees == 1
+        assert wide.expected == narrow.expected == pytest.approx(3.0)
+        if per_chain:
+            assert (wide.extra_chains, narrow.extra_chains) == (3, 1)
+            assert wide.seconds - narrow.seconds == pytest.approx(2 * per_chain)
+        else:  # no price on chains: the budget is blind to the shape, as before
+            assert wide.seconds == narrow.seconds and wide.extra_chains == narrow.extra_chains == 0
+
+
+def test_at_equal_tokens_the_shape_with_fewer_chains_is_sent():
+    # 3 nodes pay, a 4th does not (the staircase); nodes 3 and 5 tie at 0.6: 3 adds a chain, 5
+    # (below 2) does not
+    shape, chain = shaped_template()
+    survival = torch.tensor([[0.9, 0.6, 0.6, 0.1, 0.6, 0.1]])
+    steps = {1: 1.0, 2: 1.1, 3: 1.15, 4: 1.2}
+    blind = admit(survival, chain, 1, 1, Priced(0.0, 0.0, steps=steps), shape)
+    assert blind.mask.tolist() == [[True, True, True, False, False, False]]  # ties by index, as before
+    got = admit(survival, chain, 1, 1, Priced(0.0, 0.01, steps=steps), shape)
+    assert got.mask.tolist() == [[True, True, False, False, True, False]] and got.extra_chains == 1
+    assert got.expected == blind.expected == pytest.approx(3.1)
+    assert got.seconds == pytest.approx(1.21)
+
+
+def test_priced_chains_keep_the_admission_ancestor_closed():
+    tree = load_tree("2.2.2", 8)
+    parent = tree.parent.clamp(min=0)
+    shape, chain = TreeShape.of(parent.numpy(), tree.level_starts), chain_nodes(tree.parent, tree.rank)
+    cal = Calibration()
+    g = torch.Generator().manual_seed(3)
+    counted = []
+    for per_chain in (0.0, 0.0005, 0.002, 0.01):
+        # survivals from few distinct edge rates (many ties, children as likely as parents)
+        conf = torch.randint(0, 3, (6, tree.num_nodes + 1), generator=g).numpy() / 2.0
+        survival = cal.survival(conf, parent.numpy(), tree.level_starts)[:, 1:]
+        survival = np.where(survival > 0.2, 1.0, survival)
+        got = admit(survival, chain, 6, 6, Priced(0.002, per_chain, per_tree=0.01), shape)
+        full = np.concatenate([np.ones((6, 1), dtype=bool), got.mask], axis=1)
+        assert (full[:, parent.numpy()] >= full).all()  # every admitted node's parent is admitted
+        internal = np.zeros_like(full)
+        for r in range(6):
+            internal[r, parent.numpy()[1:][got.mask[r]]] = True
+        leaves = full.sum(axis=1) - internal.sum(axis=1)
+        if per_chain:  # what admit priced: the admitted trees' leaves beyond one each
+            assert got.extra_chains == int((leaves - 1).sum())
+            counted.append(got.extra_chains)
+    assert max(counted) > 0
+
+
+def test_without_a_chain_price_admit_is_unchanged():
+    tree = load_tree("2.2.2", 8)
+    parent = tree.parent.clamp(min=0)
+    shape, chain = TreeShape.of(parent.numpy(), tree.level_starts), chain_nodes(tree.parent, tree.rank)
+    cal = Calibration()
+    g = torch.Generator().manual_seed(2)
+    for per_token in (0.001, 0.01, 0.05):
+        conf = (torch.rand((4, tree.num_nodes + 1), generator=g) ** 2).numpy()
+        survival = cal.survival(conf, parent.numpy(), tree.level_starts)[:, 1:]
+        cost = linear(per_token, per_tree=0.01)
+        before, now = admit(survival, chain, 4, 4, cost), admit(survival, chain, 4, 4, cost, shape)
+        priced0 = admit(survival, chain, 4, 4, Priced(per_token, 0.0, per_tree=0.01), shape)
+        for got in (now, priced0):
+            assert got.mask.tolist() == before.mask.tolist() and got.seconds == before.seconds
+            assert got.trees == before.trees and got.extra_chains == 0
+
+
+def tree_steps(cost, per_tree, per_chain, steps=3000, seed=0):
+    """Timed drafting steps with 1-8 tree requests and 0-3 extra chains per tree, their tree
+    seconds per_tree * trees + per_chain * extra_chains + 0.2 ms of noise."""
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        trees = int(rng.integers(1, 9))
+        extra = int(rng.integers(0, 3 * trees + 1))
+        tree_s = per_tree * trees + per_chain * extra + rng.normal(0.0, 2e-4)
+        tokens = 16 + 8 * trees
+        cost.observe(tokens, trees, tree_s, float(cost.profile(np.array([tokens]))[0]) + 0.01 + tree_s,
+                     drafted=True, extra_chains=extra)
+    cost.agree()
+
+
+def test_tree_fit_recovers_a_per_chain_cost():
+    cost = StepCost([1, 64, 256], [0.02, 0.04, 0.1])
+    tree_steps(cost, 0.002, 0.0005)
+    assert cost.agreed[2] == pytest.approx(0.002, rel=0.03)
+    assert cost.chain_seconds == pytest.approx(0.0005, rel=0.05)
+    small = StepCost([1, 64, 256], [0.02, 0.04, 0.1])  # 0.05 ms a chain, under 0.2 ms of noise a step
+    tree_steps(small, 0.002, 0.00005)
+    assert small.chain_seconds == pytest.approx(0.00005, rel=0.15)
+    # where chains cost nothing (one kernel call whatever the shape) the noise does not make a
+    # chain term: it is 0, not below its error, so the budget does not weigh shapes for nothing
+    flat = StepCost([1, 64, 256], [0.02, 0.04, 0.1])
+    tree_steps(flat, 0.003, 0.0)
+    assert flat.agreed[2] == pytest.approx(0.003, rel=0.03) and flat.chain_seconds == 0.0
+    # and the cost model prices a step's chains with it
+    assert cost(100, 2, 1, 6) - cost(100, 2, 1, 0) == pytest.approx(6 * cost.chain_seconds)
+    from vllm_recycling.cost_model import TREE_COST_DECAY
+
+    c, e = cost.agreed[2], cost.chain_seconds
+    cost.agree()  # no tree step since: both decay
+    assert cost.agreed[2] == pytest.approx(c * TREE_COST_DECAY) and cost.chain_seconds == pytest.approx(
+        e * TREE_COST_DECAY)
+
+
+def test_tree_fit_without_chains_is_the_mean_tree_seconds_per_tree():
+    """Steps that never vary their chains: c is the forgotten sum of tree seconds over the
+    forgotten sum of tree requests, as before the chain term, and e stays 0."""
+    cost = StepCost([1, 2], [0.0, 0.0])
+    rng = np.random.default_rng(1)
+    mean, weight = 0.0, 0.0
+    for i in range(200):
+        trees, tree_s = int(rng.integers(1, 5)), float(rng.uniform(0.001, 0.02))
+        cost.observe(3, trees, tree_s, 0.05)
+        if i >= 2:  # TREE_WARMUP_STEPS
+            w = cost.forget * weight
+            mean, weight = (w * mean + tree_s) / (w + trees), w + trees
+    cost.agree()
+    assert cost.agreed[2] == pytest.approx(mean, rel=1e-12) and cost.chain_seconds == 0.0

@@ -23,6 +23,7 @@ from vllm_recycling.budget import (
     Admission,
     Calibration,
     RequestFit,
+    TreeShape,
     admit,
     chain_nodes,
     context_bins,
@@ -62,6 +63,7 @@ class AdaptiveBudget:
             if hybrid.context_length else []
         ))
         self._parent_np = template.parent.clamp(min=0).cpu().numpy()
+        self.shape = TreeShape.of(self._parent_np, template.level_starts)  # admit counts chains with it
         # per non-root node: 1 below the first level (the calibration's second table)
         self._deep = (np.arange(1, template.num_nodes + 1) >= template.level_starts[2]).astype(np.int64)
         # the hybrid nodes of the matrix's first level, in rank order (what ``_unsent`` reads)
@@ -147,7 +149,7 @@ class AdaptiveBudget:
         tokens_np, conf_np, survival_np = tokens_np[:, 1:], conf_np[:, 1:], survival[:, 1:]
         if self.hybrid.context_length:  # a context node without a token is never sent
             survival_np *= self.hybrid.sendable(len(active), None if context is None else context.valid)
-        decision = admit(survival_np, self.chains, num_decoding, base_tokens, self.cost)
+        decision = admit(survival_np, self.chains, num_decoding, base_tokens, self.cost, self.shape)
         mask = self._record(decision)
         bins = self.calibration.bins(conf_np, self._deep)
         drafts, sent = {}, {}
@@ -203,7 +205,9 @@ class AdaptiveBudget:
         if self._last_end is not None and plan is not None and plan.decode_only and batch & self._prev_batch:
             seconds = now - self._last_end
             tree_seconds = 0.0 if record.verification is None else record.verification.tree_seconds
-            self.cost.observe(plan.num_tokens, plan.num_trees, tree_seconds, seconds, drafted=plan.drafted)
+            extra_chains = 0 if plan.tree is None else plan.tree.extra_chains
+            self.cost.observe(plan.num_tokens, plan.num_trees, tree_seconds, seconds, drafted=plan.drafted,
+                              extra_chains=extra_chains)
             self._stats += np.array(
                 [1, seconds, record.proposal.predicted_seconds, plan.num_tokens - len(batch)]
             )
@@ -267,10 +271,10 @@ class AdaptiveBudget:
         a, b, c, d = self.cost.agreed
         logger.info(
             "recycling budget: %d decode steps, %.2f drafts per request per step; step %.1f ms "
-            "measured, %.1f ms predicted; residual %.1f ms + %.3f ms/token; %.1f ms per tree; "
-            "%.1f ms per drafting step",
+            "measured, %.1f ms predicted; residual %.1f ms + %.3f ms/token; %.1f ms per tree + "
+            "%.2f ms per chain beyond its first; %.1f ms per drafting step",
             n, drafts / max(n * batch_size, 1), 1e3 * measured / n, 1e3 * predicted / n,
-            1e3 * a, 1e3 * b, 1e3 * c, 1e3 * d,
+            1e3 * a, 1e3 * b, 1e3 * c, 1e3 * getattr(self.cost, "chain_seconds", 0.0), 1e3 * d,
         )
         self._stats[:] = 0
 

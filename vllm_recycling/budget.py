@@ -16,13 +16,15 @@ hardware at this batch size. Per step, over all requests of the batch:
 - survival of a node: the product of its path's calibrated edges, each times its request's
   factor and at most 1 (the chance that the node and all its ancestors are accepted), computed
   level by level, so a child never survives more than its parent.
-- ``cost_model.StepCost``: seconds per step as a function of its tokens, its branching trees
-  and whether it drafts (a start-up profile plus an online fit).
+- ``cost_model.StepCost``: seconds per step as a function of its tokens, its branching trees,
+  their chains beyond one per tree and whether it drafts (a start-up profile plus an online fit).
 - ``admit``: the global top-B nodes by survival (ancestor-closed per request, since survival
   never grows along a path), B* = argmax_B (R + sum of the admitted survivals) / cost(base + B),
   B = 0 (plain decoding) included; once over the rank-0 chain of each request (vLLM verifies a
   chain without tree attention) and once over the whole tree (paying the tree term for each
-  request that gets a node off its chain), the better of the two. ``nothing_pays`` answers
+  request that gets a node off its chain, and, where the cost prices chains, the chain term for
+  each chain its tree adds: nodes of equal survival are taken chain by chain, so of two shapes
+  that give as many tokens the one with fewer chains is sent). ``nothing_pays`` answers
   B = 0 first when even the most likely node cannot pay (``cost_model.break_even``, cached per cost
   agreement): then neither the sort nor the cost curve is evaluated, and the proposer does not
   even draft when the calibration's largest edge is below it.
@@ -30,6 +32,7 @@ hardware at this batch size. Per step, over all requests of the batch:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -234,13 +237,71 @@ def nothing_pays(max_survival: float, cost: Callable, num_decoding: int, base_to
 class Admission:
     """What ``admit`` chose. mask [R, N] bool (host) over the non-root nodes; trees: requests
     given a node off their rank-0 chain (a branching tree); expected: R + the admitted
-    survivals; seconds: predicted step cost."""
+    survivals; seconds: predicted step cost; extra_chains: the admitted trees' chains beyond one
+    per tree (counted only where the cost prices chains, else 0)."""
 
     mask: np.ndarray
     num_admitted: int
     trees: int
     expected: float
     seconds: float
+    extra_chains: int = 0
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """What ``admit`` needs of the template to count a tree's chains, made once per template.
+    N = non-root nodes, breadth-first.
+
+    siblings [N] int64: the nodes ordered by parent (stable), so each parent's children are one
+        run; starts [G] int64: where each run starts, G = nodes with children; run [N] int64:
+        the run of each position of ``siblings``.
+    parent [N] int64: each node's parent as a non-root column (-1: the root).
+    jumps: pointer doublings that reach the root from the deepest node (ceil(log2(depth))).
+    """
+
+    siblings: np.ndarray
+    starts: np.ndarray
+    run: np.ndarray
+    parent: np.ndarray
+    jumps: int
+
+    @classmethod
+    def of(cls, parent: np.ndarray, level_starts: tuple[int, ...]) -> "TreeShape":
+        """parent [M] int (the template's, root first, its own parent anything); level_starts:
+        the template's (``TreeTemplate.level_starts``)."""
+        column = np.asarray(parent, dtype=np.int64)[1:] - 1
+        siblings = np.argsort(column, kind="stable")
+        runs = column[siblings]
+        new_run = np.concatenate([[True], runs[1:] != runs[:-1]]) if runs.size else np.zeros(0, dtype=bool)
+        depth = len(level_starts) - 2
+        return cls(siblings, np.flatnonzero(new_run), np.cumsum(new_run) - 1, column,
+                   math.ceil(math.log2(depth)) if depth > 1 else 0)
+
+    def extra_chains(self, survival: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """survival [R, N] -> (extra [R, N] bool: the node adds a chain, it is not the first of
+        its siblings in ``admit``'s order (the likeliest, ties the lowest index), so admitted
+        with its parent's first child it adds a leaf; head [R, N] int64: the first node of the
+        node's chain (the chain of first children it lies on; -1: the root's). Numpy over the
+        nodes, flat indices (a 1-d gather costs a fraction of a 2-d one): a few calls for the
+        siblings, then pointer doubling up the chains."""
+        num_req, num_nodes = survival.shape
+        ordered = survival[:, self.siblings]
+        likeliest = ordered == np.maximum.reduceat(ordered, self.starts, axis=1)[:, self.run]
+        position = np.where(likeliest, np.arange(num_nodes), num_nodes)
+        offset = (np.arange(num_req) * num_nodes)[:, None]
+        first = self.siblings[np.minimum.reduceat(position, self.starts, axis=1)] + offset  # [R, G]
+        extra = np.ones(num_req * num_nodes, dtype=bool)
+        extra[first.ravel()] = False
+        # each node points at itself where its chain starts (it adds one, or the root is its
+        # parent), else at its parent; doubling the pointers reaches every chain's first node
+        up = (np.where(extra.reshape(num_req, num_nodes) | (self.parent < 0), np.arange(num_nodes), self.parent)
+              + offset).ravel()
+        for _ in range(self.jumps):
+            up = up[up]
+        up = up.reshape(num_req, num_nodes)
+        head = np.where(extra[up], up - offset, -1)
+        return extra.reshape(num_req, num_nodes), head
 
 
 def admit(
@@ -249,16 +310,22 @@ def admit(
     num_decoding: int,
     base_tokens: int,
     cost: Callable[[np.ndarray, np.ndarray], np.ndarray],
+    shape: TreeShape | None = None,
 ) -> Admission:
     """survival [R, N] of the non-root nodes (breadth-first, host values or a tensor); chain
     [N] bool, or [C, N] for several: the nodes of a chain of the template (its rank-0 chain,
     the context chain), each verified without tree attention; num_decoding: tokens the step
     yields without drafts (R);
     base_tokens: the step's tokens without drafts; cost(tokens, trees, drafted) -> seconds,
-    elementwise (drafted: 1 for B >= 1).
+    elementwise (drafted: 1 for B >= 1). shape: the template's (``TreeShape``); with it, a cost
+    whose ``chain_seconds`` is above 0 prices the whole tree's chains too, as
+    cost(tokens, trees, drafted, extra_chains).
 
     Ties keep the lower (request, node) first, so a parent (never less likely than its child,
-    and earlier) is always admitted before its child.
+    and earlier) is always admitted before its child. Where chains are priced, ties in the whole
+    tree are taken chain by chain (by the first node of each node's chain, ``TreeShape.
+    extra_chains``: the root's chain first, then the earliest), then as before: a chain is
+    finished before another is opened, and a parent's chain never starts after its child's.
     """
     num_req, num_nodes = survival.shape
     # on the host, in numpy: a few hundred to a few thousand values, where each torch call
@@ -269,12 +336,20 @@ def admit(
     chains = np.atleast_2d(_host(chain).astype(bool))
     sizes = np.arange(surv.size + 1)
     request = np.arange(surv.size) // num_nodes
+    # a tree's shape is priced only where its chains cost something (the CPU tree pass)
+    priced = shape is not None and float(getattr(cost, "chain_seconds", 0.0)) > 0.0
+    if priced:
+        extra, head = shape.extra_chains(surv.reshape(num_req, num_nodes))
+        extra, head = extra.reshape(-1), head.reshape(-1)
     best = None
     # each chain alone (every request on it: no tree attention), then the whole tree
     for on_chain in [np.tile(c, num_req) for c in chains] + [None]:
         tree = on_chain is None
         flat = surv if tree else surv * on_chain
-        order = np.argsort(-flat, kind="stable")  # descending; ties keep the lower index first
+        if tree and priced:  # descending; ties: chain by chain (the root's first), then the lower index
+            order = np.lexsort((head, -flat))
+        else:
+            order = np.argsort(-flat, kind="stable")  # descending; ties keep the lower index first
         gains = np.zeros(surv.size + 1)
         gains[1:] = np.cumsum(flat[order], dtype=np.float64)
         trees = np.zeros(surv.size + 1)
@@ -290,15 +365,21 @@ def admit(
                 np.minimum.at(first, request[off], position[off])
                 onset = np.maximum(onset, first)
             trees[1:] = np.cumsum(np.bincount(onset[onset < surv.size], minlength=surv.size))
-        value = (num_decoding + gains) / cost(base_tokens + sizes, trees, sizes > 0)
+        added = np.zeros(surv.size + 1)  # chains beyond one per tree; a chain plan adds none
+        if priced:
+            if tree:
+                added[1:] = np.cumsum(extra[order])
+            value = (num_decoding + gains) / cost(base_tokens + sizes, trees, sizes > 0, added)
+        else:
+            value = (num_decoding + gains) / cost(base_tokens + sizes, trees, sizes > 0)
         b = int(np.argmax(value))
         if best is None or value[b] > best[0] * (1 + 1e-9):
-            best = (value[b], b, order, int(trees[b]), float(gains[b]))
-    value, b, order, trees, gain = best
+            best = (value[b], b, order, int(trees[b]), float(gains[b]), int(added[b]))
+    value, b, order, trees, gain, added = best
     mask = np.zeros(surv.size, dtype=bool)
     mask[order[:b]] = True
     return Admission(mask.reshape(num_req, num_nodes), b, trees, num_decoding + gain,
-                     (num_decoding + gain) / value)
+                     (num_decoding + gain) / value, added)
 
 
 def _host(values) -> np.ndarray:

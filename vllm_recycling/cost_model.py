@@ -5,11 +5,17 @@ the forward pass (``profile``, not made monotone up to ``EXACT_PROFILE_TOKENS`` 
 rounds agree on a dip), plus ``a + b * tokens + d * drafted`` fitted online by
 recursive least squares on measured step times (sampling, the matrix update, scheduling; d:
 what a step with any drafts costs beyond its tokens, the verification path), plus ``c`` per
-request with a branching tree: tree attention and path choice, timed where they run and
-averaged per tree request (a regression cannot separate it from the tokens it comes with;
-the first tree steps are not timed, and the term decays while no tree is verified, so one
-dear measurement cannot keep trees out for good; ``d`` decays alike while no step drafts, and
-each step's residual is clipped, so a few slow steps cannot stop drafting for good).
+request with a branching tree and ``e`` per chain of those trees beyond one per tree: tree
+attention and path choice, timed where they run (the step's tree seconds, which a regression
+on the step's whole time could not separate from the tokens they come with) and fitted to
+``c * trees + e * extra_chains`` by weighted least squares with forgetting. On the CPU a tree
+is computed as its chains (``cpu_attention.PathPlan``: a copy and a kernel row per chain, a
+call per wave), so a bushy tree costs more than a deep one of as many nodes; ``e`` counts only
+where it stands clear of the fit's noise, so where chains cost nothing (the GPU's one kernel
+call) it is 0 and decisions are those without it. The first tree steps are not
+timed, and both terms decay while no tree is verified, so one dear measurement cannot keep
+trees out for good; ``d`` decays alike while no step drafts, and each step's residual is
+clipped, so a few slow steps cannot stop drafting for good.
 Decisions read ``agreed`` parameters, refreshed every ``budget.SYNC_STEPS`` steps (averaged over tensor-parallel ranks there), so every
 rank makes the same choice.
 
@@ -39,9 +45,17 @@ PRIOR_STD_S = (20e-3, 0.5e-3, 5e-3)  # a (per step), b (per token), d (per draft
 # The first steps with a branching tree are not timed: they pay the first calls of the tree
 # path, and a tree cost learnt from them alone would keep trees out for good.
 TREE_WARMUP_STEPS = 2
-# Each agreement without a timed tree step multiplies the per-tree cost by this, so a cost
-# learnt when trees were dear is retried now and then (one tree step) instead of never again.
+# Each agreement without a timed tree step multiplies the per-tree and per-chain costs by this,
+# so a cost learnt when trees were dear is retried now and then (one tree step) instead of never.
 TREE_COST_DECAY = 0.9
+# The tree fit's prior on the per-chain cost e: a pseudo-observation at 0 of this weight (the
+# fit's units: extra chains^2 per tree request), so e stays 0 until steps vary their chains
+# apart from their trees, and a first tree step is put on c alone.
+CHAIN_PRIOR = 1.0
+# e is used only where it stands this many standard errors above 0 (else 0, and c is fitted
+# alone): where chains cost nothing (a GPU's one kernel call) the fit's noise would otherwise
+# give e a small positive value half the time, and the budget would weigh shapes for nothing.
+CHAIN_SIGNIFICANCE = 2.0
 # The same for the drafting-step cost d: without a timed drafting step since the last agreement
 # it decays, so a few slow steps that made drafting look dear stop it for a while, not for good
 # (no step drafts, so none would measure d again).
@@ -53,10 +67,13 @@ RESIDUAL_CLIP = 0.5
 
 
 class StepCost:
-    """Seconds per step: ``profile(tokens) + a + b * tokens + c * trees + d * drafted`` (trees:
-    requests with a branching tree in the step; drafted: 1 when any request has drafts, what
-    verifying costs beyond the tokens whatever their number: vLLM's rejection sampler instead of
-    its sampler, the step plan, the calibration's bookkeeping)."""
+    """Seconds per step: ``profile(tokens) + a + b * tokens + c * trees + d * drafted + e *
+    extra_chains`` (trees: requests with a branching tree in the step; drafted: 1 when any
+    request has drafts, what verifying costs beyond the tokens whatever their number: vLLM's
+    rejection sampler instead of its sampler, the step plan, the calibration's bookkeeping;
+    extra_chains: the trees' chains beyond one per tree, ``TreeStep.extra_chains``).
+
+    ``agreed`` holds a, b, c, d and ``chain_seconds`` e, as decisions use them."""
 
     def __init__(self, sizes, seconds, forget: float = 0.998) -> None:
         """sizes / seconds: the start-up profile as ``profile_seconds`` made it (its dips are
@@ -74,9 +91,16 @@ class StepCost:
         self.cov = np.diag((np.asarray(PRIOR_STD_S) / STEP_NOISE_S) ** 2)
         self._max_trace = float(np.trace(self.cov))
         self.forget = forget
-        self.per_tree = 0.0  # c: running mean of measured tree seconds per tree request
-        self.tree_weight = 0.0
+        # the tree fit, tree_seconds ~ c * trees + e * extra_chains weighted by 1 / trees
+        # (without extra chains, c is the tree seconds per tree request): forgotten sums of
+        # x x^T / trees [2, 2], x * tree_seconds / trees [2] and tree_seconds^2 / trees, x =
+        # (trees, extra_chains), and the forgotten count of timed tree steps
+        self._tree_xx = np.zeros((2, 2))
+        self._tree_xy = np.zeros(2)
+        self._tree_yy = 0.0
+        self._tree_n = 0.0
         self.agreed = np.zeros(4)  # a, b, c, d as decisions use them
+        self.chain_seconds = 0.0  # e as decisions use it (``budget.admit`` reads it)
         self.observed = 0
         self.tree_steps = 0  # steps with a branching tree seen (the first TREE_WARMUP_STEPS untimed)
         self._tree_timed = False  # a tree step timed since the last agreement
@@ -88,26 +112,32 @@ class StepCost:
         inside = np.interp(t, self.sizes, self.seconds)
         return np.where(t > self.sizes[-1], self.seconds[-1] + (t - self.sizes[-1]) * self.tail_slope, inside)
 
-    def __call__(self, tokens, trees=0, drafted=0) -> np.ndarray:
+    def __call__(self, tokens, trees=0, drafted=0, extra_chains=0) -> np.ndarray:
         """Predicted seconds for steps of ``tokens`` with ``trees`` branching requests, drafted
-        (1) or not (0) (arrays or scalars), with the agreed parameters."""
+        (1) or not (0), and ``extra_chains`` chains of their trees beyond one per tree (arrays or
+        scalars), with the agreed parameters."""
         t = np.asarray(tokens, dtype=np.float64)
         a, b, c, d = self.agreed
         extra = c * np.asarray(trees, dtype=np.float64) + d * np.asarray(drafted, dtype=np.float64)
+        if self.chain_seconds:
+            extra = extra + self.chain_seconds * np.asarray(extra_chains, dtype=np.float64)
         return np.maximum(self.profile(t) + a + b * t + extra, 1e-6)
 
-    def observe(self, tokens: int, trees: int, tree_seconds: float, seconds: float, drafted: bool = False) -> None:
+    def observe(self, tokens: int, trees: int, tree_seconds: float, seconds: float, drafted: bool = False,
+                extra_chains: int = 0) -> None:
         """One measured step of ``seconds``, ``tree_seconds`` of them on its ``trees`` branching
-        requests, ``drafted`` when any request had drafts (recursive least squares with
-        forgetting on the rest)."""
+        requests, whose trees have ``extra_chains`` chains beyond one each, ``drafted`` when any
+        request had drafts (recursive least squares with forgetting on the rest)."""
         if trees > 0:
             self.tree_steps += 1
             if self.tree_steps <= TREE_WARMUP_STEPS:
                 return
             self._tree_timed = True
-            w = self.forget * self.tree_weight
-            self.per_tree = (w * self.per_tree + tree_seconds) / (w + trees)
-            self.tree_weight = w + trees
+            x = np.array([float(trees), float(extra_chains)])
+            self._tree_xx = self.forget * self._tree_xx + np.outer(x, x) / trees
+            self._tree_xy = self.forget * self._tree_xy + x * (tree_seconds / trees)
+            self._tree_yy = self.forget * self._tree_yy + tree_seconds * tree_seconds / trees
+            self._tree_n = self.forget * self._tree_n + 1.0
         self._draft_timed |= bool(drafted)
         x = np.array([1.0, float(tokens), float(drafted)])
         profile = float(self.profile(np.array([tokens]))[0])
@@ -123,21 +153,44 @@ class StepCost:
             self.cov *= self._max_trace / trace
         self.observed += 1
 
+    def tree_fit(self) -> tuple[float, float]:
+        """(c, e): seconds per tree request and per extra chain, the weighted least squares of
+        the timed tree steps with ``CHAIN_PRIOR`` on e, neither below 0. e counts only where it
+        stands ``CHAIN_SIGNIFICANCE`` standard errors above 0; else it is 0 and c is fitted
+        alone (with extra_chains always 0: the tree seconds per tree request)."""
+        xx, xy = self._tree_xx, self._tree_xy
+        if xx[0, 0] <= 0.0:
+            return 0.0, 0.0
+        alone = (max(float(xy[0] / xx[0, 0]), 0.0), 0.0)
+        if self._tree_n <= 2.0:
+            return alone
+        inverse = np.linalg.inv(xx + np.diag([0.0, CHAIN_PRIOR]))  # the prior makes it invertible
+        c, e = theta = inverse @ xy
+        residual = max(self._tree_yy - 2.0 * theta @ xy + theta @ xx @ theta, 0.0)
+        error = math.sqrt(residual / (self._tree_n - 2.0) * inverse[1, 1])
+        if e <= CHAIN_SIGNIFICANCE * error:
+            return alone
+        return (float(c), float(e)) if c >= 0.0 else (0.0, float(xy[1] / (xx[1, 1] + CHAIN_PRIOR)))
+
     def agree(self, all_reduce_mean: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
         """Make the current fit the one decisions use (averaged over ranks when given). A token
         or a drafting step never costs less than nothing: b and d are kept >= 0. Without a timed
-        tree step since the last agreement the per-tree cost decays (``TREE_COST_DECAY``),
-        without a timed drafting step the drafting-step cost (``DRAFT_COST_DECAY``); every rank
-        verified the same steps, so every rank decays alike."""
+        tree step since the last agreement the per-tree and per-chain costs decay
+        (``TREE_COST_DECAY``), without a timed drafting step the drafting-step cost
+        (``DRAFT_COST_DECAY``); every rank verified the same steps, so every rank decays alike."""
         if not self._tree_timed:
-            self.per_tree *= TREE_COST_DECAY
+            self._tree_xy *= TREE_COST_DECAY  # c and e scale with it, their errors alike
+            self._tree_yy *= TREE_COST_DECAY ** 2
         if not self._draft_timed:
             self.theta[2] *= DRAFT_COST_DECAY
         self._tree_timed = self._draft_timed = False
-        params = np.array([self.theta[0], max(self.theta[1], 0.0), self.per_tree, max(self.theta[2], 0.0)])
+        c, e = self.tree_fit()
+        params = np.array([self.theta[0], max(self.theta[1], 0.0), c, max(self.theta[2], 0.0), e])
         if all_reduce_mean is not None:
             params = all_reduce_mean(params)
-        self.agreed = np.asarray(params, dtype=np.float64).copy()
+        params = np.asarray(params, dtype=np.float64)
+        self.agreed = params[:4].copy()
+        self.chain_seconds = float(params[4])
         self._break_even.clear()
 
 

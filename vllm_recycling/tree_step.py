@@ -228,6 +228,19 @@ class TreeStep:
         ancestors = self.layout.ancestors[node[:, :, None], node[:, None, :]]
         return ancestors & self.valid[:, :, None] & self.valid[:, None, :]
 
+    @property
+    def extra_chains(self) -> int:
+        """The chains of the step's trees beyond one per tree (host int): leaves - 1 summed over
+        the tree requests. ``cpu_attention.PathPlan`` computes a tree as its chains
+        (``node_chains``: one per leaf), each a copy and a row of a kernel call, a call per wave,
+        so this is what the cost model prices per chain (``cost_model.StepCost``)."""
+        num_rows = self.num_rows_np
+        j = np.arange(self.parent_np.shape[1])
+        nodes = (j[None, :] >= 1) & (j[None, :] < num_rows[:, None])  # every scheduled node but the root
+        internal = np.zeros(nodes.shape, dtype=bool)  # a node some scheduled node names as parent
+        internal[np.nonzero(nodes)[0], self.parent_np[nodes]] = True
+        return int((num_rows - internal.sum(axis=1) - 1).sum())
+
     def position_offsets(self) -> np.ndarray:
         """[num_tokens] int64 to add to vLLM's positions (prefix + j): depth(j) - j on tree
         rows, 0 elsewhere."""

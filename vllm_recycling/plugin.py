@@ -22,9 +22,11 @@ logger = logging.getLogger("vllm.plugins.vllm_recycling")
 # vLLM release line -> the module of the adapter for its model runner. Model Runner V1 (0.32,
 # 0.33): the ``custom_class`` proposer and the patches of ``vllm_recycling.patches``; 0.33's
 # patch targets are 0.32's (tests/test_vllm_releases.py checks them against 0.33's source).
+# Model Runner V2 (0.34): the speculator registry, ``vllm_recycling.mrv2``.
 ADAPTERS: dict[tuple[int, int], str] = {
     (0, 32): "vllm_recycling.patches",
     (0, 33): "vllm_recycling.patches",
+    (0, 34): "vllm_recycling.mrv2",
 }
 SUPPORTED_VLLM = tuple(sorted(ADAPTERS))
 _SUPPORTED = ", ".join(".".join(map(str, line)) + ".x" for line in SUPPORTED_VLLM)
@@ -84,7 +86,7 @@ def register() -> None:
         )
         _refuse_recycling(unsupported_version_message(installed))
         return
-    from vllm_recycling.patches.base import PatchMismatch
+    from vllm_recycling.method_patch import PatchMismatch
 
     try:
         importlib.import_module(adapter).apply_all()  # every target checked first: all or none

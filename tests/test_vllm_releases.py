@@ -134,7 +134,7 @@ def test_034_is_not_v1(survey):
 # sha256[:12] of each MRV2 patch target's source in vLLM 0.34.0 (create_speculative_config's is 0.32's).
 MRV2_SOURCES = {
     "0.34.0": {"RecyclingSpeculatorOptions": "489aa2fc045a", "LearnFromPlainSteps": "8b2c419eca0e",
-               "LearnFromVerifiedSteps": "cb7dafb6b9fe"},
+               "LearnFromVerifiedSteps": "cb7dafb6b9fe", "SampleEveryRowAsAPlainStep": "5c30a8715dab"},
 }
 
 # In vLLM 0.34's Python: the MRV2 adapter applied (twice: once), the method registered, and what
@@ -179,12 +179,12 @@ SPECS = [
 
 def test_the_mrv2_adapter_applies_to_034():
     """vLLM 0.34 (Model Runner V2 only): the adapter registers method "recycling" in vLLM's
-    speculator registry and wraps its three targets once; the front end takes the same dict as
+    speculator registry and wraps its four targets once; the front end takes the same dict as
     on 0.32 (the plugin's keys at the top level, or in speculator_options) and refuses what
     Model Runner V2 cannot run yet, naming it."""
     found = run_with("0.34.0", f"SPECS = {SPECS!r}\n{MRV2_SURVEY}")
     assert found["applied"] == ["recycling_speculator_options", "learn_from_plain_steps",
-                                "learn_from_verified_steps"]
+                                "learn_from_verified_steps", "sample_every_row_as_a_plain_step"]
     assert found["again"] == []
     assert found["registered"] == ["recycling"]
     assert found["config_class"] == "RecyclingSpeculatorConfig"

@@ -6,9 +6,12 @@ the adjacency matrix, its templates and kernels.
   ``register_speculative_method`` (v1/worker/gpu/spec_decode/speculator_config.py:317-339); the
   plugin's settings in ``speculator_options``.
 - ``speculator.RecyclingSpeculator``: vLLM's ``BaseSpeculator``; drafts each request's top-1 chain
-  from the matrix in one launch, on the device; vLLM verifies it with its rejection sampler.
-- ``patches``: the user's dict into ``speculator_options`` (front end), and the matrix's update
-  from every logits row before vLLM samples.
+  from the matrix in one launch, on the device.
+- ``verify``: every row of a step with drafts sampled as a plain step samples it, the drafts
+  accepted while each is its predecessor's sample (greedy and seeded output identical to no
+  speculation), in vLLM's rejection sampler's place.
+- ``patches``: the user's dict into ``speculator_options`` (front end), the matrix's update
+  from every logits row before vLLM samples, and the verification above.
 
 What differs from vLLM 0.32/0.33 (README's table): the chain only (tree verification is not yet
 built on Model Runner V2: an explicit verify "tree" is refused, an unset one drafts the chain),
@@ -30,9 +33,11 @@ def patch_set() -> tuple[type[MethodPatch], ...]:
         LearnFromPlainSteps,
         LearnFromVerifiedSteps,
         RecyclingSpeculatorOptions,
+        SampleEveryRowAsAPlainStep,
     )
 
-    return (RecyclingSpeculatorOptions, LearnFromPlainSteps, LearnFromVerifiedSteps)
+    return (RecyclingSpeculatorOptions, LearnFromPlainSteps, LearnFromVerifiedSteps,
+            SampleEveryRowAsAPlainStep)
 
 
 def apply_all() -> list[str]:

@@ -14,6 +14,7 @@ from vllm_recycling.config import METHOD
 from vllm_recycling.method_patch import MethodPatch
 from vllm_recycling.mrv2.config import CHAIN_ONLY, recycling_config
 from vllm_recycling.mrv2.speculator import LEARNER_ATTR
+from vllm_recycling.mrv2.verify import accept_chain
 
 logger = init_logger(LOGGER_NAME)
 
@@ -108,3 +109,38 @@ class LearnFromVerifiedSteps(MethodPatch):
             return original(self, logits, input_batch, draft_logits)
 
         return __call__
+
+
+class SampleEveryRowAsAPlainStep(MethodPatch):
+    """``RejectionSampler._verify`` (v1/worker/gpu/spec_decode/rejection_sampler.py:244-297),
+    which ``__call__`` runs on each chunk of requests after gathering each row's fed token and
+    position, and before ``get_num_sampled_and_rejected`` and the logprobs. For a recycling
+    engine the wrapper samples every row with the plain step's ``Sampler.sample``
+    (sample/sampler.py:275-323) and accepts each request's drafts while each is its
+    predecessor's sample (``verify.accept_chain``) in place of vLLM's ratio test; other
+    speculators keep vLLM's. It returns what ``_verify`` returns: the processed logits, the
+    sampled tokens [B, K+1] and their counts [B]."""
+
+    target = "vllm.v1.worker.gpu.spec_decode.rejection_sampler:RejectionSampler._verify"
+    signature = (
+        "(self, logits, draft_logits, draft_sampled, pos, cu_num_logits, idx_mapping, "
+        "idx_mapping_np, expanded_idx_mapping, expanded_local_pos, seq_lens_upper_bound_np)"
+    )
+
+    @staticmethod
+    def wrap(original):
+        def _verify(self, logits, draft_logits, draft_sampled, pos, cu_num_logits, idx_mapping,
+                    idx_mapping_np, expanded_idx_mapping, expanded_local_pos, seq_lens_upper_bound_np):
+            if getattr(self.sampler.req_states, LEARNER_ATTR, None) is None:
+                return original(self, logits, draft_logits, draft_sampled, pos, cu_num_logits,
+                                idx_mapping, idx_mapping_np, expanded_idx_mapping, expanded_local_pos,
+                                seq_lens_upper_bound_np)
+            sampled_rows, processed_logits = self.sampler.sample(
+                logits, expanded_idx_mapping, idx_mapping, idx_mapping_np, pos, draft_sampled,
+                expanded_local_pos, seq_lens_upper_bound_np,
+            )
+            sampled, num_sampled = accept_chain(sampled_rows, draft_sampled, cu_num_logits,
+                                                expanded_local_pos, self.num_speculative_steps)
+            return processed_logits, sampled, num_sampled
+
+        return _verify

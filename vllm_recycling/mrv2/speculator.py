@@ -14,8 +14,8 @@ calls, on the last pipeline rank's worker:
 - ``propose(input_batch, ..., last_sampled, ...)`` after the step's tokens were sampled and
   recorded (model_runner.py:2358-2390): each request's chain drafted from its last sampled
   token, the whole batch in one launch (``AdjacencyMatrix.draft``); vLLM writes the [B, K]
-  tensor into ``req_states.draft_tokens`` and verifies it next step with its own rejection
-  sampler (greedy and sampled rows as a plain step samples them: lossless as for any method);
+  tensor into ``req_states.draft_tokens`` and verifies it next step in its rejection sampler,
+  where ``verify.accept_chain`` takes the ratio test's place (``patches``);
 - ``reset_state()`` after the warm-up's dummy requests (warmup.py:795-797): the matrix back to
   where it started, so nothing learnt from dummy logits drafts.
 """

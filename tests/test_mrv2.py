@@ -1,0 +1,213 @@
+"""The Model Runner V2 adapter (``vllm_recycling.mrv2``) in the vLLM 0.34 CPU engine
+(``make venv034``: vLLM 0.34's own Python and kernels, Triton's interpreter running vLLM's and
+the plugin's Triton kernels on the CPU, so the path a GPU runs is what runs here).
+
+The speculator alone on vLLM 0.34's ``RequestState`` (what it learns, what it drafts, with no
+read back to the host), then engines with and without speculation on tiny-random in float32
+(greedy at batch 1 and 3, seeded sampling, a prompt answered twice so that the second answer
+is drafted from what the first taught the matrix), then the server answering an OpenAI client.
+How the adapter's targets match vLLM 0.34's source: ``test_vllm_releases.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from vllm_releases import VENV034, engine034_missing, run034
+
+pytestmark = pytest.mark.skipif(engine034_missing() is not None, reason=str(engine034_missing()))
+
+SPECULATOR = '''
+import torch
+from types import SimpleNamespace
+from vllm_recycling.mrv2.speculator import RecyclingSpeculator
+
+V, K = 32, 3
+
+def build(scope):
+    states = SimpleNamespace(max_num_reqs=4)  # vLLM's RequestState pins host memory: CUDA only
+    options = {"verify": "chain", "num_speculative_tokens": K, "matrix_init": "empty", "topk": 2,
+               "matrix_scope": scope}
+    config = SimpleNamespace(speculative_config=SimpleNamespace(speculator_options=options,
+                                                                num_speculative_tokens=K),
+                             model_config=SimpleNamespace(get_vocab_size=lambda: V))
+    return states, RecyclingSpeculator(config, torch.device("cpu"), states)
+
+def one_hot(*argmax):
+    logits = torch.full((len(argmax), V), -5.0)
+    logits[torch.arange(len(argmax)), torch.tensor(argmax)] = 5.0
+    logits[:, 1] = 0.0  # every row's second choice
+    return logits
+
+def refusing_reads():
+    """Every way a tensor's value reaches the host raises while the step runs."""
+    names = ("tolist", "item", "cpu", "numpy", "__bool__")
+    saved = {n: getattr(torch.Tensor, n) for n in names}
+    def refuse(name):
+        def call(*a, **k):
+            raise AssertionError(f"Tensor.{name} called")
+        return call
+    for n in names:
+        setattr(torch.Tensor, n, refuse(n))
+    return lambda: [setattr(torch.Tensor, n, f) for n, f in saved.items()]
+
+def step(scope, clear_slot=None):
+    states, speculator = build(scope)
+    assert getattr(states, "recycling_learner") is speculator
+    # requests in request-state slots 2 and 0; slot 2 fed its root 5 and a draft 7, slot 0 its root 5
+    batch = SimpleNamespace(
+        num_reqs=2, idx_mapping=torch.tensor([2, 0]), expanded_idx_mapping=torch.tensor([2, 2, 0]),
+        input_ids=torch.tensor([5, 7, 9, 5], dtype=torch.int32), logits_indices=torch.tensor([0, 1, 3]))
+    last_sampled = torch.zeros(4, 1, dtype=torch.int64)
+    last_sampled[2, 0] = last_sampled[0, 0] = 5
+    restore = refusing_reads()
+    try:
+        speculator.learn(one_hot(7, 9, 11), batch)
+        if clear_slot is not None:
+            speculator.add_request(clear_slot)
+        drafts = speculator.propose(batch, None, None, None, None, None, None, last_sampled, None, None, None)
+    finally:
+        restore()
+    return drafts.tolist()
+
+def main():
+    return {"overlay": step("overlay"), "shared": step("shared"), "cleared": step("overlay", clear_slot=2),
+            "per_request": step("per_request")}
+'''
+
+
+def test_the_speculator_learns_and_drafts_on_the_device():
+    """In vLLM 0.34's Python (its request state, whose constructor pins host memory, stood in
+    for by its ``max_num_reqs``): after one step's logits (slot 2 fed 5 then 7, whose
+    rows' argmax were 7 and 9; slot 0 fed 5, argmax 11) each request drafts its chain from its
+    last sampled token, from its own rows first (overlay), the last writer's shared rows
+    (shared), its own matrix (per_request); a slot a new request takes starts empty of its own
+    rows. Nothing is read back to the host while it learns and drafts."""
+    found = run034(SPECULATOR, timeout=300)
+    # rows no step wrote hold token 0 (matrix_init "empty"), whose row holds 0 again
+    assert found == {
+        "overlay": [[7, 9, 0], [11, 0, 0]],
+        "shared": [[11, 0, 0], [11, 0, 0]],
+        "cleared": [[11, 0, 0], [11, 0, 0]],
+        "per_request": [[7, 9, 0], [11, 0, 0]],
+    }
+
+
+ENGINES = '''
+import os
+from vllm import LLM, SamplingParams
+
+MODEL = {model!r}
+PROMPTS = [[1, 5, 9, 13, 5, 9, 13, 5, 9], [1, 7, 7, 7, 30, 31, 32], [2, 40, 41]]
+SPEC = {{"method": "recycling", "num_speculative_tokens": 3, "matrix_init": "empty"}}
+
+def counters(llm):
+    found = {{m.name: getattr(m, "value", None) for m in llm.get_metrics()}}
+    return {{k.rsplit("_", 2)[-2] + "_" + k.rsplit("_", 1)[-1]: found.get(k) or 0 for k in (
+        "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")}}
+
+def run(spec):
+    llm = LLM(MODEL, speculative_config=spec, dtype="float32", enforce_eager=True, max_model_len=256,
+              max_num_seqs=4, seed=0, disable_log_stats=False)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    seeded = [SamplingParams(temperature=0.9, seed=7 + i, max_tokens=16, ignore_eos=True) for i in range(3)]
+    ids = lambda outs: [o.outputs[0].token_ids for o in outs]
+    prompts = [{{"prompt_token_ids": p}} for p in PROMPTS]
+    result = {{"batch1": ids(llm.generate(prompts[:1], greedy)), "batch3": ids(llm.generate(prompts, greedy)),
+              "seeded": ids(llm.generate(prompts, seeded))}}
+    result["counters"] = counts = [counters(llm)]
+    fresh = [{{"prompt_token_ids": [3, 50, 51, 52]}}]
+    result["first"] = ids(llm.generate(fresh, greedy))
+    counts.append(counters(llm))
+    result["again"] = ids(llm.generate(fresh, greedy))  # drafted from what the first taught
+    counts.append(counters(llm))
+    return result
+
+def main():
+    return {{"none": run(None), "recycling": run(SPEC)}}
+'''
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model):
+    return run034(ENGINES.format(model=tiny_model), timeout=900)
+
+
+@pytest.mark.slow
+def test_greedy_output_is_no_speculations_at_batch_1_and_3(engines):
+    for batch in ("batch1", "batch3"):
+        assert engines["recycling"][batch] == engines["none"][batch]
+    assert engines["recycling"]["counters"][0]["num_drafts"] > 0  # the speculator drafted
+
+
+@pytest.mark.slow
+def test_seeded_output_is_no_speculations(engines):
+    """Seeded sampled requests (temperature 0.9, a seed each) give the tokens they give without
+    speculation: every row is sampled as a plain step samples it (``mrv2.verify``)."""
+    assert engines["recycling"]["seeded"] == engines["none"]["seeded"]
+
+
+@pytest.mark.slow
+def test_a_second_answer_is_drafted_from_what_the_first_taught(engines):
+    """A new prompt answered twice (greedy: the same tokens): the first answer wrote the
+    matrix's rows along it, so the second drafts it back and many more drafts are accepted
+    (a random model: the first answer drafts from rows other contexts wrote)."""
+    found = engines["recycling"]
+    assert found["first"] == found["again"] == engines["none"]["first"]
+    start, first, again = found["counters"]
+    accepted_first = first["accepted_tokens"] - start["accepted_tokens"]
+    accepted_again = again["accepted_tokens"] - first["accepted_tokens"]
+    steps_again = again["num_drafts"] - first["num_drafts"]
+    assert steps_again > 0
+    assert accepted_again >= steps_again and accepted_again >= 3 * max(accepted_first, 1)
+
+
+@pytest.mark.slow
+def test_the_server_answers_an_openai_client(tiny_model, tmp_path):
+    """``vllm-recycling serve`` of the 0.34 engine with ``{"method": "recycling"}``: a chat
+    request answered, drafts counted on /metrics."""
+    import openai
+
+    from test_server import free_port, stop, tail
+
+    port = free_port()
+    log_path = tmp_path / "server.log"
+    argv = [str(VENV034 / "bin" / "vllm-recycling"), "serve", tiny_model, "--served-model-name", "tiny",
+            "--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--host", "127.0.0.1",
+            "--port", str(port), "--speculative-config",
+            json.dumps({"method": "recycling", "matrix_init": "empty"})]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, f"the server exited ({proc.returncode})\n{tail(log_path)}"
+            assert time.monotonic() < deadline, f"no /health after 300 s\n{tail(log_path)}"
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                time.sleep(1)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+        answer = client.completions.create(model="tiny", prompt="def fibonacci(n):", max_tokens=12,
+                                           temperature=0, extra_body={"ignore_eos": True})
+        assert answer.usage.completion_tokens == 12
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+            metrics = response.read().decode()
+        drafts = [float(line.split()[-1]) for line in metrics.splitlines()
+                  if line.startswith("vllm:spec_decode_num_drafts_total")]
+        assert drafts and sum(drafts) > 0
+        assert "Model Runner V2, the matrix's top-1 chain" in Path(log_path).read_text(errors="replace")
+    finally:
+        stop(proc)

@@ -174,6 +174,7 @@ SPECS = [
     {"method": "recycling", "matrix_scope": "salt"},
     {"method": "recycling", "topk": 0},
     {"method": "recycling", "draft_model": "x"},
+    {"method": "recycling", "matrix_snapshot": "/tmp/adj.safetensors"},
 ]
 
 
@@ -212,3 +213,5 @@ def test_the_mrv2_adapter_applies_to_034():
     assert found["specs"][5].startswith('RecyclingConfigError: speculative_config["topk"] = 0 is not valid')
     assert found["specs"][6].startswith("RecyclingConfigError: speculative_config has unknown key(s) "
                                         "'draft_model' for method 'recycling'")
+    assert found["specs"][7].startswith("RecyclingConfigError: speculative_config matrix_snapshot is "
+                                        "not available on vLLM 0.34 yet")

@@ -40,6 +40,11 @@ def recycling_config(options: Mapping[str, Any] | None) -> RecyclingConfig:
             "requests' cache_salt does not reach the speculator); use 'overlay' (the default), "
             "'shared' or 'per_request'"
         )
+    if config.matrix_snapshot is not None:
+        raise RecyclingConfigError(
+            "speculative_config matrix_snapshot is not available on vLLM 0.34 yet (the matrix "
+            "is not saved there); leave it unset, or serve with vLLM 0.32 or 0.33"
+        )
     return config
 
 

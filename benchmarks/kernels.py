@@ -240,7 +240,9 @@ def run_gpu(args, device: torch.device | None = None) -> int:
             cases.append(case)
             print_row(case, header=len(cases) == 1)
     # the adaptive budget's own work per step on this device (survival + admission of 80-node
-    # trees, the admitted mask read on the host), median ms per batch size
+    # trees, the admitted mask read on the host), median ms per batch size: the projection's
+    # timing of it (studies/budget_projection.py)
+    sys.path.insert(0, str(ROOT / "studies"))
     from budget_projection import BATCHES, time_budget
 
     meta["budget_ms_per_step"] = {b: round(1e3 * time_budget(b, device=device), 3) for b in BATCHES}

@@ -10,7 +10,9 @@ import pytest
 
 from vllm_recycling.tools.prompts import seeded_sample, spec_bench_questions
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS / "studies"))  # the one-off studies: budget_ceiling, verify_cost, ...
+sys.path.insert(0, str(BENCHMARKS))  # the benchmarks a user runs, and spec_bench and server they share
 import revisions  # noqa: E402
 import serve_bench  # noqa: E402
 import snapshot_restart  # noqa: E402
@@ -511,3 +513,15 @@ def test_greedy_identity_near_tie_needs_the_same_distribution():
     assert not greedy_identity.compare(far, other([(5, -0.1), (6, -0.5)]), near, noise)["rows"][0]["near_tie"]
     # measured: the largest legitimate bfloat16 gap is 0.25, the runs' logprobs at most 0.27 apart
     assert near >= 0.25 and 0.27 < noise <= 0.5
+
+
+def test_the_studies_import_from_their_own_folder(tmp_path):
+    """A script of benchmarks/studies/ run from there (its folder first on sys.path, nothing of
+    benchmarks/ or tests/) finds spec_bench and the tests' proposer helpers by its own path."""
+    import subprocess
+
+    names = sorted(p.stem for p in (BENCHMARKS / "studies").glob("*.py"))
+    assert {"budget_ceiling", "verify_cost"} <= set(names)
+    code = ("import importlib, sys; sys.path[0] = sys.argv[1]\n"
+            "for name in sys.argv[2:]: importlib.import_module(name)")
+    subprocess.run([sys.executable, "-c", code, str(BENCHMARKS / "studies"), *names], cwd=tmp_path, check=True)

@@ -16,7 +16,7 @@ worker gets in a server on two cores) and each case's arithmetic at that rate: t
 scores and weighted values, 2 x 2 x rows x positions x heads x head size floating-point
 operations per request.
 
-    python benchmarks/tree_attention.py      # writes benchmarks/results/tree_attention_cpu.{md,json}
+    python benchmarks/studies/tree_attention.py    # writes benchmarks/results/tree_attention_cpu.{md,json}
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 from vllm_recycling.tree import load_tree
 from vllm_recycling.tree_step import TreeLayout, TreeStep
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"  # benchmarks/results/
 HEAD_DIM = 64
 SHAPES = {"SmolLM2-135M": (9, 3, 30), "Qwen2.5-Coder-0.5B": (14, 2, 24)}  # heads, key/value heads, layers
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -174,7 +174,7 @@ def main() -> None:
     header = (f"# CPU tree attention per layer\n\n{datetime.date.today().isoformat()}; {machine}, "
               f"torch {torch.__version__} ({threads} threads); head size {HEAD_DIM}; a paged cache of "
               f"{BLOCK_SIZE}-token blocks in the layout vLLM picks for each dtype on this CPU, blocks "
-              "shuffled; best of 3 runs. Command: `python benchmarks/tree_attention.py`.\n\n"
+              "shuffled; best of 3 runs. Command: `python benchmarks/studies/tree_attention.py`.\n\n"
               "The machine's matrix-multiply rates (`torch.mm`, 1024 x 1024 x 1024, best of 3): "
               + "; ".join(f"{name} " + ", ".join(f"{g:.0f} GFLOP/s at {n} thread{'s' if n > 1 else ''}"
                                                for n, g in sorted(r.items())) for name, r in rate.items())

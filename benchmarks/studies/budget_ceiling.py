@@ -2,7 +2,7 @@
 (``budget: "fixed"``, every node of "2.2.2" and the context chain) against the default, on the
 same prompts, and the best fixed subsets of the tree read from the whole tree's accepted paths.
 
-    python benchmarks/budget_ceiling.py --model qwen2.5-coder-0.5b --dtype bfloat16
+    python benchmarks/studies/budget_ceiling.py --model qwen2.5-coder-0.5b --dtype bfloat16
 
 The whole tree's run records, per decode step, the template nodes of the path it accepted.
 A subset of nodes (closed under parents) would have accepted the longest prefix of that path
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: spec_bench
 from spec_bench import RESULTS, benchmark_questions, ensure_model_prior, run_header  # noqa: E402
 
 SIZES = (4, 6, 8, 10, 12, 15, 20, 30)
@@ -290,7 +290,7 @@ def main() -> None:
     for name, scores in online_scores(whole["paths"], whole["predicted"], whole["parents"]).items():
         rankings[name] = ranked_subsets(whole["paths"], scores, whole["parents"])
     decode_steps = len(whole["paths"])
-    head = run_header("budget_ceiling.py", args.model)
+    head = run_header("studies/budget_ceiling.py", args.model)
     rows = [f"| the whole tree, every step (every node admitted, {len(whole['parents']) - 1} nodes) | {whole['tokens_per_step']:.2f} | "
             f"{1 + sum(map(len, whole['paths'])) / decode_steps:.2f} | {whole['drafts_per_step']:.1f} | "
             f"{1000 * whole['seconds'] / whole['steps']:.0f} | {whole['tokens_per_s']:.1f} |",

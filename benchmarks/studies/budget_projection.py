@@ -4,7 +4,7 @@ measured here. Upper bound: the costs are CUDA-graph replays of whole steps, whi
 runs attention outside graphs (piecewise graphs), and the budget's own work per step is not
 charged (it is timed here on this machine, and by ``make gpu`` on a GPU).
 
-    python benchmarks/budget_projection.py                  # trace SmolLM2, project, time the budget
+    python benchmarks/studies/budget_projection.py          # trace SmolLM2, project, time the budget
 
 1. Acceptance: the reference decoder (``vllm_recycling.tools.reference``, plain transformers, batch 1,
    greedy) verifies the whole "2.2.2" tree at every step on the shipped Spec-Bench sample and
@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: spec_bench
 from spec_bench import RESULTS, run_header  # noqa: E402
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -252,7 +252,7 @@ def main() -> None:
                          "auto_vs_best": sim["auto"]["speedup"] / max(sim[best]["speedup"], 1.0)})
     budget_ms = {b: 1e3 * time_budget(b) for b in BATCHES}
 
-    report = {"header": run_header("budget_projection.py", args.model), "model": args.model, "steps": steps,
+    report = {"header": run_header("studies/budget_projection.py", args.model), "model": args.model, "steps": steps,
               "full_tree_tokens_per_step": float(full_mat), "rows": rows, "budget_ms": budget_ms}
     text = markdown(report)
     print(text)

@@ -17,8 +17,8 @@ On CUDA a step is replayed from a CUDA graph, as vLLM runs decode steps (``--eag
 launches: on a GPU those measure Python launch overhead, 15-25 ms a step for either shape, and
 vary more between runs than the compute does). On the CPU a step runs op by op.
 
-    python benchmarks/verify_cost.py                                   # GPU: both shapes; CPU: smollm2-135m
-    python benchmarks/verify_cost.py --shapes smollm2-135m --batch 1 4 --prefix 256
+    python benchmarks/studies/verify_cost.py                           # GPU: both shapes; CPU: smollm2-135m
+    python benchmarks/studies/verify_cost.py --shapes smollm2-135m --batch 1 4 --prefix 256
 
 Writes ``verify_cost_<device>.json`` and ``.md`` under ``--out-dir`` (default benchmarks/results).
 """
@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from vllm_recycling.tree import load_tree
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]  # benchmarks/
 # The decoder shapes: SmolLM2-135M (the default model here) and Llama-2-7B (Vicuna-7B, the paper's).
 SHAPES = {
     "tiny": dict(hidden=64, inter=128, layers=2, heads=4, kv_heads=2, vocab=512),
@@ -174,7 +174,7 @@ def measure(args) -> dict:
             "prefix": args.prefix, "reps": args.reps, "modes": modes,
             "mat_source": str(args.mat_from.relative_to(ROOT.parent)) if mats and args.mat_from.is_relative_to(ROOT.parent) else str(args.mat_from) if mats else None,
             "mats": mats,
-            "command": " ".join(["python benchmarks/verify_cost.py"] + _options(sys.argv[1:]))}
+            "command": " ".join(["python benchmarks/studies/verify_cost.py"] + _options(sys.argv[1:]))}
     print(f"{name} | torch {torch.__version__} | {meta['dtype']} | prefix {args.prefix} | modes {', '.join(modes)}")
     rows = []
     for shape_name in shapes:

@@ -14,7 +14,7 @@ request's history 512 random tokens from a 4096-token pool (its context matches 
 and rare, as in most text). Each step's phases are timed apart; the median over the steps is
 kept, batch sizes in alternating order over rounds.
 
-    python benchmarks/plain_step_overhead.py --model qwen2.5-coder-0.5b --dtype bfloat16 [--threads 1]
+    python benchmarks/studies/plain_step_overhead.py --model qwen2.5-coder-0.5b --dtype bfloat16 [--threads 1]
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: spec_bench
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from proposers import greedy_metadata, proposer_of  # noqa: E402  (the tests' proposer without an engine)
 from spec_bench import RESULTS, run_header, write_results  # noqa: E402
 
@@ -136,7 +136,7 @@ def main() -> None:
     linear_name = f"linear_rows_{args.model}_{args.dtype}_{threads}"
     linear_path = RESULTS / f"{linear_name}.json"
     if not linear_path.exists():
-        raise SystemExit(f"{linear_path} is missing: run benchmarks/linear_rows.py --model {args.model} "
+        raise SystemExit(f"{linear_path} is missing: run benchmarks/studies/linear_rows.py --model {args.model} "
                          f"--dtype {args.dtype} --threads {args.threads} first")
     linear_ms = json.loads(linear_path.read_text())["ms"]
     config = json.loads((prepare_model(args.model) / "config.json").read_text())
@@ -160,7 +160,7 @@ def main() -> None:
     slope = (linear_ms[str(rows[-1])] - linear_ms[str(rows[-2])]) / (rows[-1] - rows[-2])
     linear_at = {b: linear_ms[str(b)] if str(b) in linear_ms else linear_ms[str(rows[-1])] + slope * (b - rows[-1])
                  for b in BATCHES}
-    report = run_header("plain_step_overhead.py", args.model) | {
+    report = run_header("studies/plain_step_overhead.py", args.model) | {
         "dtype": args.dtype, "torch": torch.__version__, "threads": args.threads, "vocab": vocab,
         "steps": args.steps, "rounds": args.rounds,
         "linear_source": f"results/{linear_name}.md" + (

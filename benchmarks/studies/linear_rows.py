@@ -10,7 +10,7 @@ a row per draft. This separates the cost of the rows' arithmetic from the rest o
 Weights are random in the model's dtype (the timing does not depend on their values); each size
 is timed in rounds that alternate ascending and descending order, the median of 5 rounds kept.
 
-    python benchmarks/linear_rows.py --model qwen2.5-coder-0.5b --dtype bfloat16 [--threads 1]
+    python benchmarks/studies/linear_rows.py --model qwen2.5-coder-0.5b --dtype bfloat16 [--threads 1]
 
 ``--threads 1``: what vLLM's CPU worker computes with in a server on two cores (one core bound,
 one left to the front end); the default, this process's threads, what the engine in a
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: spec_bench
 from spec_bench import run_header, write_results  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -132,7 +132,7 @@ def main() -> None:
     layers = {name: (*vllm_linear(o, i, dtype), n) for name, (o, i, n) in shapes.items()}
     print("kernels: " + ", ".join(f"{name} {kernel}" for name, (_, kernel, _) in layers.items()), flush=True)
     ms = time_rows(layers, dtype, ROWS)
-    report = run_header("linear_rows.py", args.model) | {
+    report = run_header("studies/linear_rows.py", args.model) | {
         "dtype": args.dtype, "torch": torch.__version__, "threads": args.threads,
         "shapes": shapes, "kernels": {name: kernel for name, (_, kernel, _) in layers.items()},
         "flop_per_row": sum(2 * o * i * n for o, i, n in shapes.values()),

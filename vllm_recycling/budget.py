@@ -199,7 +199,7 @@ class RequestFit:
     whose parent was accepted: sent ones, and the first level's when it was sent nothing).
     The calibration is one table for all requests, and requests differ: code that copies
     earlier lines accepts far more than its confidences say, free prose less. Measured on
-    Qwen2.5-Coder-0.5B (the whole tree every step, 466 steps, 13 prompts; budget_ceiling.py):
+    Qwen2.5-Coder-0.5B (the whole tree every step, 466 steps, 13 prompts; benchmarks/studies/budget_ceiling.py):
     the calibration alone expected 2.04 tokens a step of its top 8 nodes, which gave 2.25;
     with each request's factor it expected 2.23 and they gave 2.26 (and at 4 nodes 1.92 / 1.93,
     at 30 2.70 / 2.75), so the budget sizes its trees by what they will give. A factor for

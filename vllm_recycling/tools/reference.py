@@ -64,7 +64,7 @@ class ReferenceDecoder:
         # Set to a list (with a matrix that keeps probabilities) to record every step's
         # (node confidences [N+1], whether each node's token is the target's argmax at its
         # parent [N+1], root True): what the adaptive budget would have seen, and what verifying
-        # any subtree greedily would have accepted (benchmarks/budget_projection.py).
+        # any subtree greedily would have accepted (benchmarks/studies/budget_projection.py).
         self.trace: list[tuple[list[float], list[bool]]] | None = None
 
     @torch.no_grad()

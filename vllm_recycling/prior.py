@@ -277,7 +277,7 @@ def find_prior(model_config, topk: int, all_reduce_mean=None) -> tuple[Prior | N
     """A worker's start for ``matrix_init: "model"``: the cached prior of a vLLM
     ``ModelConfig``'s model as far as it is computed (None without a file that loads), and a
     ``PriorWatch`` for the rest (None when it is complete; the front end started its
-    computation otherwise, ``warm.start_prior``)."""
+    computation otherwise, ``warm_launch.start_prior``)."""
     vocab_size = model_config.get_vocab_size()
     path = prior_path(str(model_config.model), model_config.revision, vocab_size, topk)
     try:

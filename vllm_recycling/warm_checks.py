@@ -1,5 +1,6 @@
-"""What is checked before a model's initial matrix is computed beside a server (``warm.py``),
-as functions of what they read, so that each can be tested without an engine.
+"""What is checked before a model's initial matrix is computed beside a server (``warm.py``,
+``warm_launch.py``), as functions of what they read, so that each can be tested without an
+engine.
 
 - **Memory.** The background computation (on the CPU) loads a second copy of the model beside
   the server's, in a child process: about 1.5 times the checkpoint's size on disk, plus its
@@ -17,7 +18,7 @@ as functions of what they read, so that each can be tested without an engine.
   71-120), and the same variables set by hand would put the child's threads on those cores.
   ``VLLM_CPU_OMP_THREADS_BIND`` is set to ``nobind``, as its default ``auto`` (vllm/envs.py:53)
   binds every rank to a NUMA node's cores, the server's; and the background child runs on one
-  rank (``warm.background_kwargs``).
+  rank (``warm_launch.background_kwargs``).
 - **The KV cache.** The child's engine takes ``PRIOR_KV_CACHE_BYTES`` of KV cache
   (``kv_cache_memory_bytes``), what ``memory_needed`` counts: the server's
   ``VLLM_CPU_KVCACHE_SPACE`` (GiB), which on the CPU replaces ``kv_cache_memory_bytes``
@@ -26,7 +27,7 @@ as functions of what they read, so that each can be tested without an engine.
   place (the error, when it failed, and when to try again: ``FAILED_RETRY_S`` later), so that
   every start of the server does not spawn a child that fails again; a child that could not
   record it (killed by a signal: the out-of-memory killer) is recorded by the server
-  (``warm.watch``). ``vllm-recycling warm`` does not read it (an explicit request) and a
+  (``warm_launch.watch``). ``vllm-recycling warm`` does not read it (an explicit request) and a
   computation that succeeds removes it.
 - **The context.** The child's engine takes ``min(PRIOR_MAX_MODEL_LEN, the model's derived
   length)`` positions; a model whose context (the chat template's opening and the token) does

@@ -48,7 +48,7 @@ def test_finished_requests_free_their_slots_in_holding_order():
 def two_ranks(other_digest: int):
     """A tensor-parallel mean over this rank and another whose decision digest is
     ``other_digest`` and whose cost parameters are all 1."""
-    from vllm_recycling.adaptive_budget import digest_checked
+    from vllm_recycling.ranks import digest_checked
 
     sent = []
     digest_checked(lambda v: sent.append(v) or v, other_digest)(np.ones(4))
@@ -56,7 +56,7 @@ def two_ranks(other_digest: int):
 
 
 def test_ranks_compare_their_decision_digests_at_each_agreement():
-    from vllm_recycling.adaptive_budget import RanksDisagree, digest_checked
+    from vllm_recycling.ranks import RanksDisagree, digest_checked
 
     for digest in (0, 1, 0xFFFFFFFF, 0x8000_0001):
         agreed = digest_checked(two_ranks(digest), digest)(np.array([3.0, 0.0, 1.0, -1.0]))
@@ -89,7 +89,7 @@ def test_ranks_that_lay_out_different_trees_stop_before_the_forward():
     agreement, up to 32 steps later, or never with budget "fixed")."""
     from proposers import begin, make_proposer
 
-    from vllm_recycling.adaptive_budget import RanksDisagree
+    from vllm_recycling.ranks import RanksDisagree
     from vllm_recycling.step import Proposal
 
     def rank(nodes: list[int]):

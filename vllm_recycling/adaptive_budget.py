@@ -34,6 +34,8 @@ from vllm_recycling.budget import (
 from vllm_recycling.cost_model import EXACT_PROFILE_TOKENS, StepCost, profile_seconds, profile_sizes
 from vllm_recycling.drafts import Context, draft
 from vllm_recycling.matrix import AdjacencyMatrix
+# layout_checked and RanksDisagree stay importable from here, where the proposer and its tests take them
+from vllm_recycling.ranks import RanksDisagree, digest_checked, layout_checked, tensor_parallel_mean  # noqa: F401
 from vllm_recycling.step import Proposal, StepRecord
 from vllm_recycling.tree import HybridTree, load_tree
 
@@ -277,63 +279,3 @@ class AdaptiveBudget:
             1e3 * a, 1e3 * b, 1e3 * c, 1e3 * getattr(self.cost, "chain_seconds", 0.0), 1e3 * d,
         )
         self._stats[:] = 0
-
-
-def tensor_parallel_mean():
-    """A function averaging a small host array over the tensor-parallel ranks (None in a single
-    process): what the ranks' cost models agree on."""
-    try:
-        from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group
-
-        if get_tensor_model_parallel_world_size() == 1:
-            return None
-        group = get_tp_group().cpu_group
-    except (AssertionError, ImportError, RuntimeError):
-        return None
-
-    def mean(values: np.ndarray) -> np.ndarray:
-        t = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float64))
-        torch.distributed.all_reduce(t, group=group)
-        return (t / torch.distributed.get_world_size(group)).numpy()
-
-    return mean
-
-
-def layout_checked(mean: Callable[[np.ndarray], np.ndarray], nodes: list[np.ndarray]) -> None:
-    """Before a step's forward, in every rank: compare the template nodes each rank lays the
-    scheduled drafts out as (per request of the batch, from its own proposal; only rank 0's
-    tokens reach the scheduler) with every other rank's, in one all-reduce of four float64 on
-    the CPU group (``mean``: ``tensor_parallel_mean``). Ranks that would verify different trees
-    raise ``RanksDisagree`` before any row is computed (review A4: the decision digest of the
-    cost agreements finds it up to 32 steps late, and never with budget "fixed")."""
-    sizes = np.array([n.size for n in nodes], dtype=np.int64)
-    digest = zlib.crc32(np.concatenate([sizes, *nodes]).astype(np.int64).tobytes())
-    digest_checked(mean, digest)(np.zeros(0))
-
-
-class RanksDisagree(RuntimeError):
-    """The ranks of a tensor-parallel group made different draft decisions."""
-
-
-def digest_checked(mean: Callable[[np.ndarray], np.ndarray], digest: int) -> Callable[[np.ndarray], np.ndarray]:
-    """``mean`` (``tensor_parallel_mean``) that also compares this rank's ``decision_digest``
-    with every other rank's, in the same all-reduce: the means of the digest's two 16-bit halves
-    and of their squares (exact in float64) equal this rank's own on every rank only when all
-    ranks hold the same digest (else their spread is above 0 and every rank sees it). On a
-    mismatch it raises ``RanksDisagree``: the ranks would verify different trees for the same
-    scheduled drafts."""
-    halves = np.array([digest >> 16, digest & 0xFFFF], dtype=np.float64)
-
-    def checked(values: np.ndarray) -> np.ndarray:
-        values = np.asarray(values, dtype=np.float64).reshape(-1)
-        n = values.size
-        out = np.asarray(mean(np.concatenate([values, halves, halves * halves])), dtype=np.float64)
-        if not (np.array_equal(out[n : n + 2], halves) and np.array_equal(out[n + 2 :], halves * halves)):
-            raise RanksDisagree(
-                f"recycling: the tensor-parallel ranks made different draft decisions (decision "
-                f"digest {digest:08x} on this rank): their matrices, slots or calibrations "
-                "differ, and they would verify different trees; stopping"
-            )
-        return out[:n]
-
-    return checked

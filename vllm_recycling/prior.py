@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from vllm_recycling.files import atomic_save_safetensors
+from vllm_recycling.ranks import ranks_agree
 
 PRIOR_FORMAT = "vllm-recycling-prior"
 PRIOR_VERSION = "2"
@@ -258,19 +259,6 @@ class PriorWatch:
             self._failed, self._retry_at = seen, now + RETRY_S
             return
         self._seen = seen
-
-
-def ranks_agree(all_reduce_mean: Callable[[np.ndarray], np.ndarray], rows: int) -> bool:
-    """Whether every tensor-parallel rank holds the same number ``rows`` (>= -1), exactly:
-    ``adaptive_budget.digest_checked``'s comparison of a digest over the ranks, in one
-    all-reduce of four float64 that every rank makes alike."""
-    from vllm_recycling.adaptive_budget import RanksDisagree, digest_checked
-
-    try:
-        digest_checked(all_reduce_mean, rows + 1)(np.zeros(0))
-    except RanksDisagree:
-        return False
-    return True
 
 
 def find_prior(model_config, topk: int, all_reduce_mean=None) -> tuple[Prior | None, PriorWatch | None]:

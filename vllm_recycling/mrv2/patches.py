@@ -10,7 +10,7 @@ from typing import Any
 from vllm.logger import init_logger
 
 from vllm_recycling import LOGGER_NAME
-from vllm_recycling.config import METHOD
+from vllm_recycling.config import METHOD, RecyclingConfigError
 from vllm_recycling.method_patch import MethodPatch
 from vllm_recycling.mrv2.config import CHAIN_ONLY, recycling_config
 from vllm_recycling.mrv2.speculator import LEARNER_ATTR
@@ -51,6 +51,13 @@ def speculator_spec(spec: dict[str, Any], engine_args=None, target_model_config=
     nested = spec.get("speculator_options") or {}
     options = {**nested, **{k: v for k, v in spec.items() if k not in VLLM_KEYS}}
     config = recycling_config(options)
+    if getattr(engine_args, "enable_batch_sharded_sampling", None):
+        # each rank would see its own requests' logits only, and its matrix would draft
+        # differently from the others' (config/parallel.py:200-206)
+        raise RecyclingConfigError(
+            "speculative method 'recycling' cannot run with enable_batch_sharded_sampling: every "
+            "tensor-parallel rank's matrix learns from every request's logits; leave it unset"
+        )
     if options.get("verify") is None:  # trees by default elsewhere
         logger.warning("recycling: %s: drafting the matrix's top-%d chain", CHAIN_ONLY.why,
                        config.num_speculative_tokens)

@@ -21,10 +21,12 @@ from vllm_recycling.prior import (
     Prior,
     PriorError,
     PriorWatch,
+    load_complete_prior,
     load_prior,
     model_identity,
     prior_key,
     prior_path,
+    read_prior,
     save_prior,
 )
 
@@ -250,7 +252,8 @@ def test_ranks_agree_exactly():
 
 def test_tensor_parallel_ranks_take_the_same_rows_at_the_same_step(tmp_path):
     """With several ranks, a rank that has loaded more rows waits for the others: the rows
-    each rank loaded are compared every POLL_STEPS steps and taken when every rank has the same."""
+    each rank loaded (and whether they are final: ``2 * rows + final``) are compared every
+    POLL_STEPS steps and taken when every rank has the same."""
     path = tmp_path / "p.safetensors"
     other = [0]
     watch = PriorWatch(path, 16, 4, all_reduce_mean=_two_ranks(other))
@@ -258,11 +261,13 @@ def test_tensor_parallel_ranks_take_the_same_rows_at_the_same_step(tmp_path):
     steps = prior_module.POLL_STEPS
     assert all(watch.poll() is None for _ in range(steps - 1))
     assert watch.poll() is None  # this rank has 16 rows, the other none yet
-    other[0] = 6
+    other[0] = 2 * 6
     assert all(watch.poll() is None for _ in range(steps))  # the other has 6: still different
-    other[0] = 15
+    other[0] = 2 * 15
     assert all(watch.poll() is None for _ in range(steps))  # 15: still different
-    other[0] = 16
+    other[0] = 2 * 16
+    assert all(watch.poll() is None for _ in range(steps))  # 16, but not the final file yet
+    other[0] = 2 * 16 + 1
     assert all(watch.poll() is None for _ in range(steps - 1))  # only at agreement steps
     assert watch.poll().rows == 16
 
@@ -339,7 +344,9 @@ def test_a_stopped_computation_resumes_from_its_partial_file(tmp_path):
                           get_tokenizer=lambda: SimpleNamespace(chat_template=None), generate=generate)
     done = torch.zeros(vocab, k, dtype=torch.int32)
     done[:10] = 7
-    table, probs = warm.compute_prior(llm, k, resume=Prior(done, torch.zeros(vocab, k, dtype=torch.float16), 10))
+    got = warm.compute_prior(llm, k, resume=Prior(done, torch.zeros(vocab, k, dtype=torch.float16), 10))
+    table = got.table
+    assert got.complete and not got.stopped
     assert asked == list(range(10, vocab))  # the rows already there are not computed again
     assert (table[:10] == 7).all() and table[10:, 0].tolist() == [(t + 1) % vocab for t in range(10, vocab)]
     saves = []
@@ -348,6 +355,120 @@ def test_a_stopped_computation_resumes_from_its_partial_file(tmp_path):
         mp.setattr(warm, "PARTIAL_SAVE_S", 0.0)
         warm.compute_prior(llm, k, save=lambda p: saves.append(p.rows))
     assert saves == [8, 16, 24, 32]  # the last batch is the complete file, saved by the caller
+
+
+def _fake_llm(vocab, asked):
+    from types import SimpleNamespace
+
+    def generate(prompts, params, use_tqdm=False):
+        out = []
+        for p in prompts:
+            t = p["prompt_token_ids"][-1]
+            asked.append(t)
+            lp = {(t + 1) % vocab: SimpleNamespace(logprob=-0.1), (t + 2) % vocab: SimpleNamespace(logprob=-2.0)}
+            out.append(SimpleNamespace(outputs=[SimpleNamespace(logprobs=[lp])]))
+        return out
+
+    return SimpleNamespace(llm_engine=SimpleNamespace(model_config=SimpleNamespace(get_vocab_size=lambda: vocab)),
+                           get_tokenizer=lambda: SimpleNamespace(chat_template=None), generate=generate)
+
+
+def test_a_computation_beside_a_server_stops_once_the_rest_cost_more_than_they_buy(monkeypatch):
+    """Issue 72: with a ``RowPlan``, the computation stops after the first batch at or past the
+    rows that pay when the rest would take more than rest_limit_s at the rate measured so far,
+    and says it stopped (``Prior.stopped``); when the rest is cheap it computes every row."""
+    from vllm_recycling import warm
+
+    vocab, k, asked = 40, 2, []
+    monkeypatch.setattr(warm, "PROMPTS_PER_CALL", 8)
+    clock = iter(range(0, 1000, 10))  # every look at the clock: 10 s later
+    monkeypatch.setattr(warm.time, "monotonic", lambda: float(next(clock)))
+    got = warm.compute_prior(_fake_llm(vocab, asked), k, plan=warm.RowPlan(pay=12, share=0.9, rest_limit_s=5.0))
+    assert asked == list(range(16)) and got.rows == 16 and got.stopped and not got.complete
+    assert (got.table[16:] == 0).all() and got.table[15, 0] == 16
+    asked.clear()
+    got = warm.compute_prior(_fake_llm(vocab, asked), k, plan=warm.RowPlan(pay=12, share=0.9, rest_limit_s=1e6))
+    assert asked == list(range(vocab)) and got.complete and not got.stopped
+
+
+def test_rows_that_pay_are_the_leading_ids_that_hold_the_share_of_a_samples_tokens(monkeypatch):
+    from vllm_recycling import warm
+
+    monkeypatch.setattr(warm, "PROMPTS_PER_CALL", 4)
+    monkeypatch.setattr("vllm_recycling.tools.prompts.spec_bench_questions",
+                        lambda: [{"turns": ["a", "b"]}, {"turns": ["c"]}])
+    ids = {"a": [0, 1, 2, 3, 4], "b": [1, 2, 5, 6], "c": [30]}  # 10 tokens
+    def tokenizer(text, add_special_tokens=False):
+        return {"input_ids": ids[text]}
+    assert warm.rows_that_pay(tokenizer, 100, 0.9) == 8  # 9 of 10 tokens are ids < 7: two batches of 4
+    assert warm.rows_that_pay(tokenizer, 100, 1.0) == 32  # id 30 too
+    assert warm.rows_that_pay(tokenizer, 20, 1.0) == 20  # never past the vocabulary
+    assert warm.rows_that_pay(tokenizer, 100, 0.5) == 4
+
+
+def test_a_prior_stopped_on_purpose_is_final_for_servers_and_resumed_when_asked(tmp_path, monkeypatch):
+    """A file saved with stopped=True reads back stopped and final; servers load it as it is
+    (``load_complete_prior(..., stopped_is_final=True)``, ``find_prior`` gives no watch, a
+    ``PriorWatch`` ends with it), while an explicit computation (``vllm-recycling warm``) takes it
+    for a partial one and resumes it."""
+    from types import SimpleNamespace
+
+    from vllm_recycling import prior as prior_module
+
+    monkeypatch.setattr(prior_module, "POLL_S", 0.0)
+    path = tmp_path / "p.safetensors"
+    table, probs = _prior()
+    table[6:], probs[6:] = 0, 0
+    save_prior(path, table, probs, "m", 1.0, rows=6, stopped=True)
+    got = read_prior(path)
+    assert got.rows == 6 and got.stopped and got.final and not got.complete
+    with pytest.raises(PriorError) as e:
+        load_complete_prior(path, 16, 4)
+    assert e.value.partial
+    assert load_complete_prior(path, 16, 4, stopped_is_final=True).rows == 6
+    watch = PriorWatch(path, 16, 4)
+    got = watch.poll()
+    watch.took(got)
+    assert watch.done and watch.poll() is None
+    monkeypatch.setattr(prior_module, "prior_path", lambda *args: path)
+    config = SimpleNamespace(get_vocab_size=lambda: 16, model="m", revision=None)
+    found, watch = prior_module.find_prior(config, 4)
+    assert found.rows == 6 and watch is None
+    # a watch that took the same rows before the file said it stopped ends when it does
+    save_prior(path, table, probs, "m", 1.0, rows=6)
+    watch = PriorWatch(path, 16, 4)
+    watch.took(watch.poll())
+    assert not watch.done and watch.poll() is None
+    time.sleep(0.01)
+    save_prior(path, table, probs, "m", 1.0, rows=6, stopped=True)
+    got = watch.poll()
+    assert got is not None and got.stopped
+    watch.took(got)
+    assert watch.done
+    # "stopped" is never written on a complete file
+    save_prior(path, *_prior(), "m", 1.0, stopped=True)
+    assert not read_prior(path).stopped
+
+
+def test_the_child_takes_a_stopped_prior_as_done_only_when_asked_for_the_rows_that_pay(tmp_path, monkeypatch):
+    from vllm_recycling import warm
+
+    path = tmp_path / "p.safetensors"
+    table, probs = _prior()
+    table[6:], probs[6:] = 0, 0
+    save_prior(path, table, probs, "m", 1.0, rows=6, stopped=True)
+    calls = []
+
+    def fake_warm(kwargs, topk, out, progress, resume, pay_only=False):
+        calls.append((resume.rows, pay_only))
+        full = _prior()
+        return Prior(full[0], full[1], 16), None, 1.0
+
+    monkeypatch.setattr(warm, "warm", fake_warm)
+    monkeypatch.setattr(warm, "prefer_oom_kill", lambda: None)  # not this test process
+    argv = ["--engine-args", json.dumps({"model": "m"}), "--topk", "4", "--out", str(path)]
+    assert warm.main(argv + ["--rows", "pay"]) == 0 and calls == []
+    assert warm.main(argv) == 0 and calls == [(6, False)]
 
 
 def _watched(caplog, argv, path, line):

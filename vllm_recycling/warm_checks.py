@@ -29,6 +29,12 @@ engine.
   record it (killed by a signal: the out-of-memory killer) is recorded by the server
   (``warm_launch.watch``). ``vllm-recycling warm`` does not read it (an explicit request) and a
   computation that succeeds removes it.
+- **The dtype.** On a CPU without bfloat16 instructions (neither AVX512-BF16 nor AMX: an
+  AVX2-only machine), vLLM's bfloat16 kernels are emulated and a bfloat16 model's rows cost
+  several times their float32 cost (benchmarks/results/prior_rows_cost_*.md: 5.8x for SmolLM2),
+  while the rows agree with the model's own dtype's but for near-ties: the child computes a
+  bfloat16 model's rows in float32 there (``prior_dtype``), and its memory counts the float32
+  copy of the weights (``memory_needed``).
 - **The context.** The child's engine takes ``min(PRIOR_MAX_MODEL_LEN, the model's derived
   length)`` positions; a model whose context (the chat template's opening and the token) does
   not fit in them is not computed (``prior_max_model_len``).
@@ -53,6 +59,8 @@ PRIOR_MEMORY_FACTOR = 1.5  # the child's resident memory per byte of checkpoint,
 FAILED_RETRY_S = 24 * 3600.0  # a failed computation is not started again by a server for this long
 OOM_SCORE_ADJ = "/proc/self/oom_score_adj"
 MEMINFO = "/proc/meminfo"
+CPUINFO = "/proc/cpuinfo"
+BF16_INSTRUCTIONS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo's names
 # What pins OpenMP threads to cores (vllm/utils/ompmultiprocessing.py:71-120 and 122-171).
 BINDING_VARIABLES = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU", "OMP_PLACES",
                      "OMP_PROC_BIND", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
@@ -116,23 +124,52 @@ def checkpoint_bytes(model: str, revision: str | None = None, download_dir: str 
     return weights_bytes(Path(found).parent) if isinstance(found, str) else None
 
 
-def memory_needed(checkpoint: int) -> int:
+def memory_needed(checkpoint: int, upcast: float = 1.0) -> int:
     """What the background computation is taken to need, in bytes, for a checkpoint of
-    ``checkpoint`` bytes (the module's docstring)."""
-    return int(PRIOR_MEMORY_FACTOR * checkpoint) + PRIOR_KV_CACHE_BYTES
+    ``checkpoint`` bytes whose weights the child holds ``upcast`` times as large (2: bfloat16
+    computed in float32, ``prior_dtype``) (the module's docstring)."""
+    return int(PRIOR_MEMORY_FACTOR * upcast * checkpoint) + PRIOR_KV_CACHE_BYTES
 
 
-def memory_problem(available: int | None, checkpoint: int | None) -> str | None:
+def memory_problem(available: int | None, checkpoint: int | None, upcast: float = 1.0) -> str | None:
     """Why the background computation does not fit in ``available`` bytes (``MemAvailable``)
-    for a checkpoint of ``checkpoint`` bytes, or None when it fits or either is unknown."""
+    for a checkpoint of ``checkpoint`` bytes (held ``upcast`` times as large), or None when it
+    fits or either is unknown."""
     if available is None or checkpoint is None:
         return None
-    need = memory_needed(checkpoint)
+    need = memory_needed(checkpoint, upcast)
     if available >= need:
         return None
+    held = f"{upcast:g} x " if upcast != 1 else ""
     return (f"computing it beside the server needs about {need / GIB:.1f} GiB of memory "
-            f"({PRIOR_MEMORY_FACTOR:g} x the checkpoint's {checkpoint / GIB:.1f} GiB and a "
+            f"({PRIOR_MEMORY_FACTOR:g} x {held}the checkpoint's {checkpoint / GIB:.1f} GiB and a "
             f"{PRIOR_KV_CACHE_BYTES / GIB:.1f} GiB KV cache) and {available / GIB:.1f} GiB is available")
+
+
+# -- the dtype ----------------------------------------------------------------------------------
+
+def cpu_flags(cpuinfo: str | Path = CPUINFO) -> set[str] | None:
+    """The instruction-set flags of this machine's first CPU in /proc/cpuinfo; None where it
+    cannot be read."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() == "flags":
+            return set(value.split())
+    return None
+
+
+def prior_dtype(model_dtype: str, on_cpu: bool, flags: set[str] | None) -> str | None:
+    """The dtype the prior's engine computes in when it is not the model's own (``model_dtype``,
+    the one vLLM resolved: "bfloat16", "float16", "float32"): "float32" for a bfloat16 model on
+    a CPU whose flags name no bfloat16 instructions (``BF16_INSTRUCTIONS``); None (the model's
+    own) elsewhere, and where the flags are unknown."""
+    if not on_cpu or model_dtype != "bfloat16" or flags is None:
+        return None
+    return None if any(f in flags for f in BF16_INSTRUCTIONS) else "float32"
 
 
 # -- the child ----------------------------------------------------------------------------------

@@ -32,8 +32,10 @@ from vllm_recycling.prior import PriorError, load_complete_prior, prior_path
 from vllm_recycling.warm_checks import (
     checkpoint_bytes,
     child_env,
+    cpu_flags,
     local_time,
     memory_problem,
+    prior_dtype,
     read_mem_available,
     record_failure,
     recorded_failure,
@@ -118,7 +120,7 @@ def start_prior(engine_args, model_config, topk: int, background: bool) -> subpr
     logger = init_logger(LOGGER_NAME)
     model = str(model_config.model)
     path = _path_of(model_config, topk)
-    if _loads(path, model_config.get_vocab_size(), topk, logger):
+    if _loads(path, model_config.get_vocab_size(), topk, logger, stopped_is_final=True):
         return None
     try:
         kwargs = engine_kwargs_of(engine_args)
@@ -142,8 +144,9 @@ def start_prior(engine_args, model_config, topk: int, background: bool) -> subpr
             logger.warning("recycling: %s; serving goes on with matrix rows learnt from traffic only "
                            "(to compute it: %s)", e, command)
         return None
+    upcast = 2.0 if prior_dtype(str(model_config.dtype).removeprefix("torch."), True, cpu_flags()) else 1.0
     problem = memory_problem(read_mem_available(), checkpoint_bytes(
-        model, kwargs.get("revision"), kwargs.get("download_dir")))
+        model, kwargs.get("revision"), kwargs.get("download_dir")), upcast)
     if problem is not None:
         logger.warning("recycling: the initial matrix of %s is not computed: %s; matrix rows are learnt from "
                        "traffic only. To compute it ahead of time, with the server stopped: %s",
@@ -155,7 +158,7 @@ def start_prior(engine_args, model_config, topk: int, background: bool) -> subpr
         "time left follow in this log; cached at %s; `vllm-recycling warm` computes it ahead of "
         "time)", model, path,
     )
-    argv = _child_argv(background_kwargs(kwargs), topk, path, "log", parent=os.getpid(), nice=NICE)
+    argv = _child_argv(background_kwargs(kwargs), topk, path, "log", parent=os.getpid(), nice=NICE, rows="pay")
     return watch(subprocess.Popen(argv, env=child_env(dict(os.environ)), stdin=subprocess.DEVNULL), model, path)
 
 
@@ -216,16 +219,21 @@ def background_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def _child_argv(kwargs: dict[str, Any], topk: int, path: Path, progress: str, parent: int = 0,
-                nice: int = 0) -> list[str]:
+                nice: int = 0, rows: str = "all") -> list[str]:
     return [sys.executable, "-m", "vllm_recycling.warm", "--engine-args",
             json.dumps(kwargs), "--topk", str(topk), "--out", str(path),
-            "--progress", progress, "--parent", str(parent), "--nice", str(nice)]
+            "--progress", progress, "--parent", str(parent), "--nice", str(nice), "--rows", rows]
 
 
-def _loads(path: Path, vocab_size: int, topk: int, logger) -> bool:
-    """Whether the complete prior is in ``path``; a partial one is resumed, a bad one replaced."""
+def _loads(path: Path, vocab_size: int, topk: int, logger, stopped_is_final: bool = False) -> bool:
+    """Whether the complete prior is in ``path`` (with stopped_is_final, or one stopped on
+    purpose: said in the log); a partial one is resumed, a bad one replaced."""
     try:
-        load_complete_prior(path, vocab_size, topk)
+        prior = load_complete_prior(path, vocab_size, topk, stopped_is_final)
+        if prior.stopped:
+            logger.info("recycling: the initial matrix holds the first %d of %d rows (its computation stopped "
+                        "there on purpose: the rest cost more than they buy on this machine); `vllm-recycling "
+                        "warm` computes the rest (%s)", prior.rows, vocab_size, path)
         return True
     except PriorError as e:
         if path.exists():

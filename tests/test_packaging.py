@@ -23,7 +23,8 @@ def test_wheel_contains_kernels_configs_and_data(tmp_path):
     # so that a stale build/ in the checkout cannot add files that are gone from the source.
     source = tmp_path / "src"
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
-        ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
+        ".git", ".venv*", ".gpuv", ".vllm-releases", "build", "dist", "*.egg-info", "__pycache__",
+        ".pytest_cache",  # the venvs beside the checkout (.venv034: gigabytes) are not the source
     ))
     wheels = tmp_path / "wheels"
     subprocess.run(

@@ -548,6 +548,28 @@ def test_progress_writes_a_line_at_most_every_progress_s_the_engine_start_includ
     assert "100% (100 of 100 tokens), about 0 s left" in caplog.text
 
 
+def test_progress_beside_a_server_counts_the_time_left_to_the_rows_that_pay(caplog):
+    from vllm_recycling import warm
+
+    progress = warm._Progress(False, 0, "m")
+    progress.log.addHandler(caplog.handler)
+    try:
+        progress.engine_starting()
+        progress.plan = warm.RowPlan(pay=60, share=0.95, rest_limit_s=600.0)
+        progress(0, 100)
+        progress.started -= 10.0  # 20 rows in 10 s
+        progress.done = 20
+        progress._line(time.monotonic())
+        progress.done = 70
+        progress._line(time.monotonic())
+    finally:
+        progress.stop()
+        progress.log.removeHandler(caplog.handler)
+    assert ("m: 20% (20 of 100 tokens), about 20 s left to the first 60 (those of 95% of text's tokens; the rest "
+            "only if it takes at most 600 s more)") in caplog.text
+    assert "m: 70% (70 of 100 tokens), about 4 s left" in caplog.text  # past them: the whole rest
+
+
 @pytest.mark.slow
 def test_engine_serves_before_and_after_its_prior_arrives(tiny_model, tiny_base, tmp_path, monkeypatch):
     """An engine whose prior is not computed yet serves at once, greedy identical to no

@@ -210,6 +210,8 @@ def warm(
         save_prior(path, partial.table, partial.probs, model, time.perf_counter() - started, partial.rows)
 
     plan = RowPlan.of(llm.get_tokenizer(), llm.llm_engine.model_config.get_vocab_size()) if pay_only else None
+    if progress is not None:
+        progress.plan = plan
     prior = compute_prior(llm, topk, progress, resume, save, plan)
     seconds = time.perf_counter() - started
     save_prior(path, prior.table, prior.probs, model, seconds, prior.rows, stopped=prior.stopped)
@@ -247,6 +249,7 @@ class _Progress:
         self.started = self.last = time.monotonic()
         self.engine_started: float | None = None
         self.done = self.total = self.base = 0  # base: rows a resumed computation started with
+        self.plan: RowPlan | None = None  # where a computation beside a server may stop (``warm``)
         self.bar = None
         self.lock = threading.Lock()
         self.stopped = threading.Event()
@@ -317,9 +320,17 @@ class _Progress:
             self.log.info("recycling: initial matrix of %s: %d of %d tokens (the first batch is running, %.0f s)",
                           self.model, self.done, self.total, now - self.started)
             return
-        left = (now - self.started) * (self.total - self.done) / (self.done - self.base)
+        rate = (self.done - self.base) / max(now - self.started, 1e-9)
+        plan = self.plan
+        if plan is not None and self.done < plan.pay < self.total:
+            self.log.info("recycling: initial matrix of %s: %d%% (%d of %d tokens), about %.0f s left to the first "
+                          "%d (those of %.0f%% of text's tokens; the rest only if it takes at most %.0f s more)",
+                          self.model, 100 * self.done // self.total, self.done, self.total,
+                          (plan.pay - self.done) / rate, plan.pay, 100 * plan.share, plan.rest_limit_s)
+            return
         self.log.info("recycling: initial matrix of %s: %d%% (%d of %d tokens), about %.0f s left",
-                      self.model, 100 * self.done // self.total, self.done, self.total, left)
+                      self.model, 100 * self.done // self.total, self.done, self.total,
+                      (self.total - self.done) / rate)
 
     def _heartbeat(self) -> None:
         while not self.stopped.wait(min(1.0, PROGRESS_EVERY_S / 4)):

@@ -33,7 +33,10 @@ setup: $(VENV)/.installed
 # vLLM 0.34's CPU engine (Model Runner V2, its Triton kernels run by Triton's interpreter) in a
 # venv of its own, with the plugin: the second engine the tests run (tests/test_mrv2.py). It is
 # built from vLLM's source release by the tools beside the checkout; where they are not there,
-# `make test` runs without it (those tests skip, saying so).
+# `make test` runs without it (those tests skip, saying so). `make test` installs it while the
+# rest of the suite runs (about 3 minutes on 2 cores, mostly unpacking): its log goes to
+# .venv034.log, its process id to .venv034.pid, and tests/test_mrv2.py, which pytest runs last,
+# waits for it and fails if it failed.
 VENV034 := .venv034
 TOOLS034 := $(wildcard ../shared/tools/vllm034-cpu/install.sh)
 
@@ -64,7 +67,8 @@ serve: setup
 demo: setup
 	$(BIN)/vllm-recycling decode
 
-test: setup $(if $(TOOLS034),venv034)
+test: setup
+	$(if $(TOOLS034),$(MAKE) --no-print-directory venv034 > $(VENV034).log 2>&1 & echo $$! > $(VENV034).pid)
 	$(PYTEST) tests
 
 test-fast: setup

@@ -65,10 +65,11 @@ def tiny_base(tiny_model):
 
 
 # Longest files first, so that with two pytest processes (`-n 2 --dist loadfile`) the rest of
-# the suite runs beside them instead of after them.
+# the suite runs beside them instead of after them. test_mrv2.py after the first five: `make
+# test` installs its engine while they run (Makefile), and it waits for the install if need be.
 _FIRST = (
     "test_smollm2.py", "test_engine.py", "test_soak.py", "test_gpu_path.py", "test_server.py",
-    "test_distributed.py",
+    "test_mrv2.py", "test_distributed.py",
 )
 
 

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -53,11 +54,46 @@ def run_with(version: str, code: str, timeout: float = 300) -> dict:
 VENV034 = ROOT / ".venv034"
 
 
-def engine034_missing() -> str | None:
-    """Why the 0.34 engine cannot run here (a skip reason), None when it can."""
-    if not (VENV034 / "bin" / "python").is_file():
-        return "the vLLM 0.34 CPU engine is not installed: make venv034"
-    return None
+TOOLS034 = ROOT.parent / "shared" / "tools" / "vllm034-cpu" / "install.sh"
+INSTALL_PID = ROOT / ".venv034.pid"  # `make test` installs the engine beside the suite (Makefile)
+INSTALL_LOG = ROOT / ".venv034.log"
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` is there and not a zombie (an ended child its shell has not reaped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except OSError:
+            return False
+        return not Path("/proc").is_dir()
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def engine034_missing(wait_s: float = 1200.0) -> str | None:
+    """Why the 0.34 engine cannot run here (a skip reason), None when it can. While ``make
+    test`` installs it beside the suite (``INSTALL_PID`` names a process still running), waits
+    for that install to end, at most ``wait_s``. Raises ``RuntimeError`` where the tools that
+    build it are beside the checkout and it is not installed: its install failed."""
+    deadline = time.monotonic() + wait_s
+    try:
+        pid = int(INSTALL_PID.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        pid = None
+    while pid is not None and _running(pid):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the vLLM 0.34 CPU engine's install (pid {pid}) is still running after "
+                               f"{wait_s:.0f} s: see {INSTALL_LOG}")
+        time.sleep(2.0)
+    if (VENV034 / ".installed").is_file():
+        return None
+    if TOOLS034.is_file():
+        log = INSTALL_LOG.read_text(errors="replace")[-3000:] if INSTALL_LOG.is_file() else "(no log)"
+        raise RuntimeError(f"the vLLM 0.34 CPU engine is not installed though {TOOLS034} is there: "
+                           f"`make venv034` failed?\n{log}")
+    return "the vLLM 0.34 CPU engine is not installed and its tools are not beside the checkout: make venv034"
 
 
 def run034(code: str, timeout: float = 600, env: dict | None = None) -> dict:

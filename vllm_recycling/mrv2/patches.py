@@ -119,7 +119,7 @@ class LearnFromVerifiedSteps(MethodPatch):
 
 
 class SampleEveryRowAsAPlainStep(MethodPatch):
-    """``RejectionSampler._verify`` (v1/worker/gpu/spec_decode/rejection_sampler.py:244-297),
+    """``RejectionSampler._verify`` (v1/worker/gpu/spec_decode/rejection_sampler.py:260-312),
     which ``__call__`` runs on each chunk of requests after gathering each row's fed token and
     position, and before ``get_num_sampled_and_rejected`` and the logprobs. For a recycling
     engine the wrapper samples every row with the plain step's ``Sampler.sample``

@@ -8,9 +8,10 @@ calls, on the last pipeline rank's worker:
 - ``add_request(req_index)`` when a request takes a request-state slot (model_runner.py:
   1305-1306): the matrix slot of the same index starts empty (``AdjacencyMatrix.clear_slot``);
   a request's matrix slot is its request-state index, so no host map of request ids is kept;
-- ``learn(logits, input_batch)`` (``patches.LearnFromEveryRow``, before the sampler or the
-  rejection sampler runs on the step's logits): ``adj[token[row]] = top-k(logits[row])`` for
-  every logits row, each row's token and slot gathered on the device;
+- ``learn(logits, input_batch)`` (``patches.LearnFromPlainSteps`` / ``LearnFromVerifiedSteps``,
+  before the sampler or the rejection sampler runs on the step's logits):
+  ``adj[token[row]] = top-k(logits[row])`` for every logits row, each row's token and slot
+  gathered on the device;
 - ``propose(input_batch, ..., last_sampled, ...)`` after the step's tokens were sampled and
   recorded (model_runner.py:2358-2390): each request's chain drafted from its last sampled
   token, the whole batch in one launch (``AdjacencyMatrix.draft``); vLLM writes the [B, K]
@@ -38,7 +39,7 @@ from vllm_recycling.slots import is_first_rank
 logger = init_logger(LOGGER_NAME)
 # The attribute of vLLM's ``RequestState`` (shared by the runner's sampler, its rejection
 # sampler and this speculator, model_runner.py:296-306, 500-510) under which the speculator
-# can be found by ``patches.LearnFromEveryRow``.
+# can be found by ``patches.LearnFromPlainSteps`` and ``LearnFromVerifiedSteps``.
 LEARNER_ATTR = "recycling_learner"
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from vllm_recycling.paths import StepRowsOnDevice, walk_sampled
+
 
 def accept_chain(
     sampled_rows: torch.Tensor,
@@ -45,3 +47,42 @@ def accept_chain(
     sampled = torch.full((num_reqs, num_speculative_steps + 1), -1, dtype=torch.int64, device=device)
     sampled[request, local] = sampled_rows.long()
     return sampled, first_rejected.to(torch.int32)
+
+
+def accept_tree(
+    sampled_rows: torch.Tensor,
+    draft_sampled: torch.Tensor,
+    cu_num_logits: torch.Tensor,
+    local_pos: torch.Tensor,
+    parent_of_local: torch.Tensor,
+    depth_of_local: torch.Tensor,
+    max_depth: int,
+    num_speculative_steps: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each request's accepted path through its tree, on the device (no host sync): what
+    ``accept_chain`` is for a chain. A request's rows are the first nodes of one template in
+    breadth-first order (vLLM cuts drafts to a prefix, which is still a tree), so a row's parent
+    and depth are the template's for its local index: parent_of_local [N+1] int64 (the parent's
+    local index; anything for the root) and depth_of_local [N+1] int64 (at most ``max_depth``).
+    A node is accepted when its parent is and its token is the token its parent's row sampled,
+    the lowest rank among siblings holding it (``paths.walk_sampled``); placeholders (-1) never
+    are. Returns ``sampled`` [B, K+1] int64 (the tokens sampled at the path's rows, root first:
+    the accepted drafts, then the token after the last; -1 past them), ``num_sampled`` [B] int32
+    (1 + the path's depth) and ``path`` [B, max_depth] int64 (the accepted nodes' local indices
+    below the root, -1 padded: where their KV must move)."""
+    num_rows = sampled_rows.shape[0]
+    num_reqs = cu_num_logits.shape[0] - 1
+    device = sampled_rows.device
+    local = local_pos.long()
+    cu = cu_num_logits.long()
+    start = cu[:-1]
+    request = torch.searchsorted(cu[1:], torch.arange(num_rows, device=device), right=True)
+    rows = StepRowsOnDevice(row_req=request, depth=depth_of_local[local], start=start, max_depth=max_depth,
+                            parent=start[request] + parent_of_local.clamp(min=0)[local])
+    table, output = walk_sampled(rows, draft_sampled, sampled_rows)
+    sampled = torch.full((num_reqs, num_speculative_steps + 1), -1, dtype=torch.int64, device=device)
+    sampled[:, : max_depth + 1] = output
+    num_sampled = (table >= 0).sum(1).to(torch.int32)
+    below = table[:, 1:]
+    path = torch.where(below >= 0, below - start[:, None], -1)
+    return sampled, num_sampled, path

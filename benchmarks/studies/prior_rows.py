@@ -227,8 +227,10 @@ def run_child(args) -> dict:
         lines = []
         with subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True) as child:
             for line in child.stderr:
-                if "[initial matrix]" in line:
-                    lines.append(f"{time.monotonic() - started:7.1f} s  {line.split('] ', 1)[-1].rstrip()}")
+                if "[initial matrix]" in line:  # the model's path as the cache root's, not this machine's
+                    text = line.split("] ", 1)[-1].rstrip().replace(str(Path(model_path).parent.parent), "<cache root>")
+                    text = text.replace(cache, "<its cache>")
+                    lines.append(f"{time.monotonic() - started:7.1f} s  {text}")
                     print(lines[-1], flush=True)
         prior = read_prior(path)
     return {"machine": cpu_flags(), "model": args.model, "dtype": args.dtype, "vocab": vocab,

@@ -30,19 +30,23 @@ def test_an_empty_step():
     assert sampled.shape == (0, 4) and num_sampled.shape == (0,)
 
 
-def test_it_reads_nothing_back_from_the_device(monkeypatch):
-    """The CPU stand-in of a GPU sync check: no call that copies a tensor to the host."""
-    draft = torch.tensor([5, 7, 9, 3])
-    rows = torch.tensor([7, 9, 2, 11])
-    cu, local = torch.tensor([0, 3, 4]), torch.tensor([0, 1, 2, 0])
-
+def without_host_reads(monkeypatch, call):
+    """``call()`` with every Tensor method that copies a value to the host refused: the CPU
+    stand-in of a GPU sync check."""
     def refuse(*args, **kwargs):
         raise AssertionError("read back to the host")
 
     with monkeypatch.context() as patched:
         for name in ("tolist", "item", "cpu", "numpy", "__bool__"):
             patched.setattr(torch.Tensor, name, refuse)
-        sampled, num_sampled = accept_chain(rows, draft, cu, local, 2)
+        return call()
+
+
+def test_it_reads_nothing_back_from_the_device(monkeypatch):
+    draft = torch.tensor([5, 7, 9, 3])
+    rows = torch.tensor([7, 9, 2, 11])
+    cu, local = torch.tensor([0, 3, 4]), torch.tensor([0, 1, 2, 0])
+    sampled, num_sampled = without_host_reads(monkeypatch, lambda: accept_chain(rows, draft, cu, local, 2))
     assert num_sampled.tolist() == [3, 1]
 
 
@@ -89,12 +93,6 @@ def test_a_tree_reads_nothing_back_from_the_device(monkeypatch):
     draft = torch.tensor([1, 7, 8, 3])
     rows = torch.tensor([8, 1, 9, 5])
     cu, local = torch.tensor([0, 3, 4]), torch.tensor([0, 1, 2, 0])
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("read back to the host")
-
-    with monkeypatch.context() as patched:
-        for name in ("tolist", "item", "cpu", "numpy", "__bool__"):
-            patched.setattr(torch.Tensor, name, refuse)
-        sampled, num_sampled, path = accept_tree(rows, draft, cu, local, PARENT, DEPTH, 2, 6)
+    sampled, num_sampled, path = without_host_reads(
+        monkeypatch, lambda: accept_tree(rows, draft, cu, local, PARENT, DEPTH, 2, 6))
     assert num_sampled.tolist() == [2, 1] and path.tolist() == [[2, -1], [-1, -1]]

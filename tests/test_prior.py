@@ -321,43 +321,9 @@ def test_a_snapshot_saved_before_the_prior_gets_the_priors_rows():
     assert float(m.probs[3, 0]) == 0.25 and float(m.probs[4, 0]) == -0.125
 
 
-def test_a_stopped_computation_resumes_from_its_partial_file(tmp_path):
-    """``compute_prior`` from a partial prior keeps its rows and computes the rest; saves of the
-    rows done so far come at most every PARTIAL_SAVE_S."""
-    from types import SimpleNamespace
-
-    from vllm_recycling import warm
-
-    vocab, k = 40, 2
-    asked = []
-
-    def generate(prompts, params, use_tqdm=False):
-        out = []
-        for p in prompts:
-            t = p["prompt_token_ids"][-1]
-            asked.append(t)
-            lp = {(t + 1) % vocab: SimpleNamespace(logprob=-0.1), (t + 2) % vocab: SimpleNamespace(logprob=-2.0)}
-            out.append(SimpleNamespace(outputs=[SimpleNamespace(logprobs=[lp])]))
-        return out
-
-    llm = SimpleNamespace(llm_engine=SimpleNamespace(model_config=SimpleNamespace(get_vocab_size=lambda: vocab)),
-                          get_tokenizer=lambda: SimpleNamespace(chat_template=None), generate=generate)
-    done = torch.zeros(vocab, k, dtype=torch.int32)
-    done[:10] = 7
-    got = warm.compute_prior(llm, k, resume=Prior(done, torch.zeros(vocab, k, dtype=torch.float16), 10))
-    table = got.table
-    assert got.complete and not got.stopped
-    assert asked == list(range(10, vocab))  # the rows already there are not computed again
-    assert (table[:10] == 7).all() and table[10:, 0].tolist() == [(t + 1) % vocab for t in range(10, vocab)]
-    saves = []
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(warm, "PROMPTS_PER_CALL", 8)
-        mp.setattr(warm, "PARTIAL_SAVE_S", 0.0)
-        warm.compute_prior(llm, k, save=lambda p: saves.append(p.rows))
-    assert saves == [8, 16, 24, 32]  # the last batch is the complete file, saved by the caller
-
-
 def _fake_llm(vocab, asked):
+    """An offline engine for ``compute_prior``: token t's top-2 are t+1 and t+2; ``asked``
+    records the tokens it was given."""
     from types import SimpleNamespace
 
     def generate(prompts, params, use_tqdm=False):
@@ -371,6 +337,29 @@ def _fake_llm(vocab, asked):
 
     return SimpleNamespace(llm_engine=SimpleNamespace(model_config=SimpleNamespace(get_vocab_size=lambda: vocab)),
                            get_tokenizer=lambda: SimpleNamespace(chat_template=None), generate=generate)
+
+
+def test_a_stopped_computation_resumes_from_its_partial_file(tmp_path):
+    """``compute_prior`` from a partial prior keeps its rows and computes the rest; saves of the
+    rows done so far come at most every PARTIAL_SAVE_S."""
+    from vllm_recycling import warm
+
+    vocab, k = 40, 2
+    asked = []
+    llm = _fake_llm(vocab, asked)
+    done = torch.zeros(vocab, k, dtype=torch.int32)
+    done[:10] = 7
+    got = warm.compute_prior(llm, k, resume=Prior(done, torch.zeros(vocab, k, dtype=torch.float16), 10))
+    table = got.table
+    assert got.complete and not got.stopped
+    assert asked == list(range(10, vocab))  # the rows already there are not computed again
+    assert (table[:10] == 7).all() and table[10:, 0].tolist() == [(t + 1) % vocab for t in range(10, vocab)]
+    saves = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(warm, "PROMPTS_PER_CALL", 8)
+        mp.setattr(warm, "PARTIAL_SAVE_S", 0.0)
+        warm.compute_prior(llm, k, save=lambda p: saves.append(p.rows))
+    assert saves == [8, 16, 24, 32]  # the last batch is the complete file, saved by the caller
 
 
 def test_a_computation_beside_a_server_stops_once_the_rest_cost_more_than_they_buy(monkeypatch):

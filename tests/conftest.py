@@ -55,13 +55,34 @@ def smollm2_model() -> str:
 
 
 @pytest.fixture(scope="session")
-def tiny_base(tiny_model):
+def tiny_base(tiny_model, tmp_path_factory):
     """tiny-random without speculation, one in-process engine: the greedy outputs of
     ``engines.TINY_PROMPTS`` (with top-2 logprobs, for the near-tie check), the same with a
-    repetition penalty, with stop strings, and the sampled draws of the distribution test."""
+    repetition penalty, with stop strings, and the sampled draws of the distribution test.
+
+    Once per run: under ``pytest -n 2`` the first process that needs it runs the engine and
+    leaves its answers (pickled) in the run's temporary directory, which both processes share,
+    and the other reads them there (the same fresh engine, seed and requests would give the
+    same answers: about 20 s on one core saved)."""
     pytest.importorskip("vllm")
-    with engines.engine(tiny_model) as llm:
-        return engines.run_tiny_suite(llm)
+
+    def run() -> dict:
+        with engines.engine(tiny_model) as llm:
+            return engines.run_tiny_suite(llm)
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # one process: nothing to share
+        return run()
+    import pickle
+
+    from filelock import FileLock  # torch's dependency
+
+    path = tmp_path_factory.getbasetemp().parent / "tiny_base.pickle"  # this run's, not the workers'
+    with FileLock(f"{path}.lock"):
+        if path.is_file():
+            return pickle.loads(path.read_bytes())
+        out = run()
+        path.write_bytes(pickle.dumps(out))
+        return out
 
 
 # Longest files first, so that with two pytest processes (`-n 2 --dist loadfile`) the rest of

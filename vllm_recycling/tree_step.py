@@ -157,13 +157,18 @@ class TreeStep:
         node_np = np.zeros((req.size, width), dtype=np.int64)
         j = np.arange(width)
         unknown = np.zeros(req.size, dtype=bool)
-        for i, b in enumerate(req):  # host bookkeeping of the scheduled drafts, per request
-            n = int(num_draft[b])
-            mine = None if nodes is None else nodes[b]
-            if mine is not None and len(mine) < n:  # not the drafts it was sent: a chain
-                unknown[i] = True
-                continue
-            node_np[i, 1 : n + 1] = np.arange(1, n + 1) if mine is None else mine[:n]
+        if nodes is None:  # every request the template's first nodes: local j is node j
+            node_np = np.where(j[None, :] <= num_draft[req][:, None], j[None, :], 0)
+        else:
+            for i, b in enumerate(req):  # host bookkeeping of the scheduled drafts, per request
+                n = int(num_draft[b])
+                mine = nodes[b]
+                if mine is None:
+                    node_np[i, 1 : n + 1] = np.arange(1, n + 1)
+                elif len(mine) < n:  # not the drafts it was sent: a chain
+                    unknown[i] = True
+                else:
+                    node_np[i, 1 : n + 1] = mine[:n]
         num_rows = num_draft[req] + 1
         valid_np = j[None, :] < num_rows[:, None]
         depth_np = np.where(valid_np, layout.depth_np[node_np], 0)

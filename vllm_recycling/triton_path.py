@@ -79,6 +79,18 @@ def move_slots(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> 
     kv_cache[dst // block_size, :, dst % block_size] = moved
 
 
+def layer_kv_caches(forward_context, names) -> list[torch.Tensor]:
+    """The KV cache tensor of each named attention layer of vLLM's forward context, each once
+    (layers sharing a cache hold the same tensor)."""
+    caches, seen = [], set()
+    for name in names:
+        kv = getattr(forward_context.get(name), "kv_cache", None)
+        if isinstance(kv, torch.Tensor) and kv.numel() and kv.data_ptr() not in seen:
+            seen.add(kv.data_ptr())
+            caches.append(kv)
+    return caches
+
+
 def move_all(kv_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
     """``move_slots`` in every layer's cache."""
     for kv_cache in kv_caches:

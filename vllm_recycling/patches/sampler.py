@@ -76,12 +76,7 @@ class VerifyTree(MethodPatch):
 
 def _kv_caches(runner) -> list[torch.Tensor]:
     """Every attention layer's own KV cache tensor (layers sharing a cache counted once)."""
-    caches, seen = [], set()
-    context = runner.compilation_config.static_forward_context
-    for group in runner.kv_cache_config.kv_cache_groups:
-        for name in group.layer_names:
-            kv = getattr(context.get(name), "kv_cache", None)
-            if isinstance(kv, torch.Tensor) and kv.numel() and kv.data_ptr() not in seen:
-                seen.add(kv.data_ptr())
-                caches.append(kv)
-    return caches
+    from vllm_recycling.triton_path import layer_kv_caches
+
+    names = [name for group in runner.kv_cache_config.kv_cache_groups for name in group.layer_names]
+    return layer_kv_caches(runner.compilation_config.static_forward_context, names)

@@ -96,3 +96,18 @@ def test_a_tree_reads_nothing_back_from_the_device(monkeypatch):
     sampled, num_sampled, path = without_host_reads(
         monkeypatch, lambda: accept_tree(rows, draft, cu, local, PARENT, DEPTH, 2, 6))
     assert num_sampled.tolist() == [2, 1] and path.tolist() == [[2, -1], [-1, -1]]
+
+
+def test_the_paths_rows_go_where_vllm_scores_the_emitted_tokens(monkeypatch):
+    """vLLM scores ``sampled[b, i]`` with row ``start_b + i``: request 0 (rows 0-5, the "2.2"
+    template above) accepted local nodes 2 then 5, so rows 1 and 2 take rows 2 and 5; request 1 (rows 6-7) accepted
+    nothing; request 2 (rows 8-10) accepted local 1: row 9 is its own. Reading rows first and
+    writing after moves them all as one."""
+    from vllm_recycling.mrv2.verify import emitted_rows
+
+    cu = torch.tensor([0, 6, 8, 11], dtype=torch.int32)
+    path = torch.tensor([[2, 5], [-1, -1], [1, -1]])
+    dst, src = without_host_reads(monkeypatch, lambda: emitted_rows(cu, path))
+    logits = torch.arange(11.0)[:, None].repeat(1, 3)
+    logits[dst] = logits[src]
+    assert logits[:, 0].tolist() == [0, 2, 5, 3, 4, 5, 6, 7, 8, 9, 10]

@@ -137,7 +137,9 @@ def test_034_is_not_v1(survey):
 # sha256[:12] of each MRV2 patch target's source in vLLM 0.34.0 (create_speculative_config's is 0.32's).
 MRV2_SOURCES = {
     "0.34.0": {"RecyclingSpeculatorOptions": "489aa2fc045a", "LearnFromPlainSteps": "8b2c419eca0e",
-               "LearnFromVerifiedSteps": "cb7dafb6b9fe", "SampleEveryRowAsAPlainStep": "5c30a8715dab"},
+               "LearnFromVerifiedSteps": "cb7dafb6b9fe", "SampleEveryRowAsAPlainStep": "5c30a8715dab",
+               "TreePositions": "a73828dcb06c", "TreePlaceholders": "833712ecd97d",
+               "TreeAttentionTriton": "3c9b038aa752"},
 }
 
 # In vLLM 0.34's Python: the MRV2 adapter applied (twice: once), the method registered, and what
@@ -152,7 +154,8 @@ from vllm_recycling.mrv2.patches import speculator_spec
 
 def source_hash(patch):
     owner, attr = patch.owner_and_attr()
-    return hashlib.sha256(inspect.getsource(owner.__dict__[attr].__wrapped__).encode()).hexdigest()[:12]
+    target = owner.__dict__[attr]  # wrapped, or not wanted here (TreeAttentionTriton off CUDA)
+    return hashlib.sha256(inspect.getsource(getattr(target, "__wrapped__", target)).encode()).hexdigest()[:12]
 
 def front_end_of(spec, engine_args=None):
     try:
@@ -187,12 +190,15 @@ SPECS = [
 
 def test_the_mrv2_adapter_applies_to_034(survey):
     """vLLM 0.34 (Model Runner V2 only): the adapter registers method "recycling" in vLLM's
-    speculator registry and wraps its four targets once; the front end takes the same dict as
-    on 0.32 (the plugin's keys at the top level, or in speculator_options) and refuses what
-    Model Runner V2 cannot run yet, naming it."""
+    speculator registry and wraps its targets once (the tree patches too); the front end takes
+    the same dict as on 0.32 (the plugin's keys at the top level, or in speculator_options) and
+    refuses what Model Runner V2 cannot run here, naming it."""
     found = survey("0.34.0")["mrv2"]
+    # tree_attention_triton is applied on CUDA and the GPU path on the CPU only: not on this
+    # platformless Python, whose source check it passes all the same
     assert found["applied"] == ["recycling_speculator_options", "learn_from_plain_steps",
-                                "learn_from_verified_steps", "sample_every_row_as_a_plain_step"]
+                                "learn_from_verified_steps", "sample_every_row_as_a_plain_step",
+                                "tree_positions", "tree_placeholders"]
     assert found["again"] == []
     assert found["registered"] == ["recycling"]
     assert found["config_class"] == "RecyclingSpeculatorConfig"
@@ -209,11 +215,10 @@ def test_the_mrv2_adapter_applies_to_034(survey):
         {"method": "recycling", "num_speculative_tokens": 6, "speculator_options": shared},
     ]
     assert found["specs"][3] == (
-        "TreesUnsupported: speculative_config verify='tree' is not available here: on vLLM 0.34 "
-        "(Model Runner V2) vllm-recycling verifies the matrix's top-1 chain; tree verification "
-        "runs on vLLM 0.32 and 0.33. Use verify='chain' (the matrix's top-1 chain, verified by "
-        "vLLM as it is), or leave verify unset: the default verifies the chain where trees "
-        "cannot be verified."
+        "TreesUnsupported: speculative_config verify='tree' is not available here: vllm-recycling "
+        "verifies trees on CUDA GPUs, not on UnspecifiedPlatform. Use verify='chain' (the matrix's "
+        "top-1 chain, verified by vLLM as it is), or leave verify unset: the default verifies the "
+        "chain where trees cannot be verified."
     )
     assert found["specs"][4].startswith("RecyclingConfigError: speculative_config matrix_scope='salt' "
                                         "is not available on vLLM 0.34 yet")

@@ -86,3 +86,16 @@ def accept_tree(
     below = table[:, 1:]
     path = torch.where(below >= 0, below - start[:, None], -1)
     return sampled, num_sampled, path
+
+
+def emitted_rows(cu_num_logits: torch.Tensor, path: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dst, src) logits rows [B * D] int64: vLLM scores ``sampled[b, i]`` (logprobs, sampling
+    masks) with its request's row ``start_b + i``; for a tree the token after the path's i-th
+    node was sampled at that node's row, ``start_b + path[b, i - 1]``. Rows past the path copy
+    the root onto itself. path [B, D]: ``accept_tree``'s."""
+    start = cu_num_logits[:-1].long()[:, None]
+    level = torch.arange(1, path.shape[1] + 1, device=path.device)[None, :]
+    moves = path >= 0
+    dst = torch.where(moves, start + level, start)
+    src = torch.where(moves, start + path, start)
+    return dst.reshape(-1), src.reshape(-1)

@@ -78,14 +78,17 @@ def test_tensor_parallel_eviction_stays_exact(tiny_model, monkeypatch):
     takes that slot (``MatrixSlots.assign``: least recently scheduled first). Under FCFS this
     cannot happen: vLLM puts a preempted request back at the head of the queue
     (v1/core/sched/scheduler.py:1612-1613). Both ranks evict alike, and every answer is that of
-    the same two-rank engine without speculation."""
+    an engine without speculation of the same settings on one rank, token for token.
+
+    That engine runs in this process, on one rank (tensor-parallel ranks compute the greedy
+    answers of one process: ``test_tensor_parallel_ranks_hold_the_same_matrix``), with the same
+    scheduler, cache and requests, so it preempts as the two-rank one does: it starts in a few
+    seconds where a second two-rank engine (three processes importing vLLM) took about half a
+    minute, most of this test's time."""
     import os
 
-    cores = sorted(os.sched_getaffinity(0))
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}|{cores[-1]}")
-    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    settings = dict(in_process=False, tensor_parallel_size=2, scheduling_policy="priority",
-                    num_gpu_blocks_override=8, block_size=32, max_model_len=160, max_num_seqs=2)
+    settings = dict(scheduling_policy="priority", num_gpu_blocks_override=8, block_size=32,
+                    max_model_len=160, max_num_seqs=2)
     params = greedy(120)
 
     def run(llm) -> list[list[int]]:
@@ -102,9 +105,14 @@ def test_tensor_parallel_eviction_stays_exact(tiny_model, monkeypatch):
                     done[out.request_id] = list(out.outputs[0].token_ids)
         return [done[r] for r in "abc"]
 
-    with engine(tiny_model, **settings) as llm:
+    with engine(tiny_model, disable_log_stats=False, **settings) as llm:
         want = run(llm)
-    with engine(tiny_model, speculative_config=RECYCLING, disable_log_stats=False, **settings) as llm:
+        assert sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions") > 0
+    cores = sorted(os.sched_getaffinity(0))
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}|{cores[-1]}")
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    with engine(tiny_model, in_process=False, tensor_parallel_size=2, speculative_config=RECYCLING,
+                disable_log_stats=False, **settings) as llm:
         got = run(llm)
         evictions = llm.collective_rpc(lambda w: w.model_runner.drafter.slots.evictions)
         preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")

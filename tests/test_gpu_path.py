@@ -19,6 +19,7 @@ from engines import (
     SEEDED_PROMPTS, TINY_PROMPTS, check_greedy_identity, engine, greedy, seeded_params, spec_counters,
     token_ids,
 )
+from interpreter import skip_discarded_overflow_checks
 
 pytestmark = [pytest.mark.slow, pytest.mark.gpu_path]
 pytest.importorskip("vllm")
@@ -38,23 +39,6 @@ def gpu_path_env(monkeypatch):
     # a fresh engine process, whose triton is imported in interpreter mode
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of a function
-
-
-def _skip_discarded_overflow_checks(worker) -> None:
-    """For ``llm.collective_rpc`` under Triton's interpreter: stop it computing an integer
-    overflow check for every integer add, sub and mul of every kernel. The interpreter computes
-    each check (a cast to int64, the operation again, two comparisons) and then drops it: its
-    ``device_assert`` does nothing unless the options' ``debug`` is set, which the interpreter
-    never sets (triton 3.x, ``runtime/interpreter.py`` ``InterpreterOptions``, and
-    ``language/semantic.py`` ``device_assert``); a GPU build without debug does not emit them
-    either. Nothing the kernels compute or check changes, and each interpreted step of this
-    test takes about a fifth less time."""
-    import dataclasses
-
-    from triton.runtime import interpreter
-
-    builder = interpreter.interpreter_builder
-    builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
 
 
 def _worker_state(worker):
@@ -132,7 +116,7 @@ def test_gpu_path_greedy_identical_batch_1_and_4(tiny_model, tiny_base, gpu_path
     auto = spec["budget"] == "auto"
     with engine(tiny_model, in_process=False, speculative_config=spec, disable_log_stats=False) as llm:
         if not torch.cuda.is_available():
-            llm.collective_rpc(_skip_discarded_overflow_checks)
+            llm.collective_rpc(skip_discarded_overflow_checks)
         if auto:
             llm.collective_rpc(_flat_cost_and_count_subtrees)
         one = token_ids(llm.generate(prompts[:1], greedy(TOKENS), use_tqdm=False))

@@ -3,8 +3,8 @@
 the plugin's Triton kernels on the CPU, so the path a GPU runs is what runs here).
 
 The speculator alone on vLLM 0.34's ``RequestState`` (what it learns, what it drafts, with no
-read back to the host), then engines without speculation, with the chain and with trees on
-tiny-random in float32, on vLLM's Triton attention (the GPU path, through Triton's interpreter):
+read back to the host), then engines without speculation and with trees on tiny-random in
+float32, on vLLM's Triton attention (the GPU path, through Triton's interpreter):
 greedy at batch 1 and 3, seeded sampling, a prompt answered twice so that the second answer is
 drafted from what the first taught the matrix, trees verified as trees; then the server (its
 CPU attention, the chain) answering an OpenAI client.
@@ -111,14 +111,18 @@ def test_the_speculator_learns_and_drafts_on_the_device():
 
 
 ENGINES = '''
-import os
+import sys
 from vllm import LLM, SamplingParams
 from vllm_recycling.mrv2.speculator import RecyclingSpeculator
 
+sys.path.insert(0, {tests!r})
+from interpreter import skip_discarded_overflow_checks
+
+skip_discarded_overflow_checks()  # the engine runs in this process
 MODEL = {model!r}
 PROMPTS = [[1, 5, 9, 13, 5, 9, 13, 5, 9], [1, 7, 7, 7, 30, 31, 32], [2, 40, 41]]
 EMPTY = {{"method": "recycling", "matrix_init": "empty"}}
-SPECS = {{"none": None, "chain": {{**EMPTY, "verify": "chain", "num_speculative_tokens": 3}},
+SPECS = {{"none": None,
          # 12 nodes at batch 1, the first 5 (the root's children: still a tree) at 2 to 4
          "tree": {{**EMPTY, "verify": "tree", "num_speculative_tokens": 12,
                   "num_speculative_tokens_per_batch_size": [[1, 1, 12], [2, 4, 5]]}}}}
@@ -177,49 +181,47 @@ def main():
 
 @pytest.fixture(scope="module")
 def engines(tiny_model):
-    """No speculation, the chain and the tree (the first 12 nodes of "2.2.2") on tiny-random,
-    all on vLLM's Triton attention through Triton's interpreter: the path GPUs run."""
-    return run034(ENGINES.format(model=tiny_model), timeout=1200,
+    """No speculation and trees (the first 12 nodes of "2.2.2") on tiny-random, both on vLLM's
+    Triton attention through Triton's interpreter: the path GPUs run. (The chain's acceptance
+    rule, ``verify.accept_chain``, is ``tests/test_mrv2_verify.py``'s; the chain against no
+    speculation on a real model: ``benchmarks/studies/mrv2_parity.py``.)"""
+    return run034(ENGINES.format(model=tiny_model, tests=str(Path(__file__).parent)), timeout=1200,
                   env={"VLLM_RECYCLING_GPU_PATH_ON_CPU": "1"})
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["chain", "tree"])
-def test_greedy_output_is_no_speculations_at_batch_1_and_3(engines, mode):
-    assert engines[mode]["impls"] == engines["none"]["impls"] == ["TritonAttentionImpl"]
+def test_greedy_output_is_no_speculations_at_batch_1_and_3(engines):
+    assert engines["tree"]["impls"] == engines["none"]["impls"] == ["TritonAttentionImpl"]
     for batch in ("batch1", "batch3"):
-        assert engines[mode][batch] == engines["none"][batch]
-    assert engines[mode]["counters"][0]["num_drafts"] > 0  # the speculator drafted
+        assert engines["tree"][batch] == engines["none"][batch]
+    assert engines["tree"]["counters"][0]["num_drafts"] > 0  # the speculator drafted
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["chain", "tree"])
-def test_logprobs_are_no_speculations(engines, mode):
+def test_logprobs_are_no_speculations(engines):
     """A greedy request's logprobs (the sampled token and the top 2, each position): a tree
     node's token is scored with the row it was sampled at, not the row vLLM's chain layout
     would read (``verify.emitted_rows``); values to float32 rounding (the tree rows come from
     the tree kernel, plain rows from vLLM's)."""
-    for got, want in zip(engines[mode]["logprobs"], engines["none"]["logprobs"], strict=True):
+    for got, want in zip(engines["tree"]["logprobs"], engines["none"]["logprobs"], strict=True):
         assert [[t for t, _ in step] for step in got] == [[t for t, _ in step] for step in want]
         assert all(abs(a[1] - b[1]) < 1e-4 for g, w in zip(got, want) for a, b in zip(g, w))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["chain", "tree"])
-def test_seeded_output_is_no_speculations(engines, mode):
+def test_seeded_output_is_no_speculations(engines):
     """Seeded sampled requests (temperature 0.9, a seed each) give the tokens they give without
     speculation: every row is sampled as a plain step samples it (``mrv2.verify``), a tree
     node at its depth's position."""
-    assert engines[mode]["seeded"] == engines["none"]["seeded"]
+    assert engines["tree"]["seeded"] == engines["none"]["seeded"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["chain", "tree"])
-def test_a_second_answer_is_drafted_from_what_the_first_taught(engines, mode):
+def test_a_second_answer_is_drafted_from_what_the_first_taught(engines):
     """A new prompt answered twice (greedy: the same tokens): the first answer wrote the
     matrix's rows along it, so the second drafts it back and many more drafts are accepted
     (a random model: the first answer drafts from rows other contexts wrote)."""
-    found = engines[mode]
+    found = engines["tree"]
     assert found["first"] == found["again"] == engines["none"]["first"]
     start, first, again = found["counters"]
     accepted_first = first["accepted_tokens"] - start["accepted_tokens"]
@@ -234,14 +236,14 @@ def test_trees_are_verified_as_trees(engines):
     """The tree engine's steps were tree steps, as wide as vLLM's batch-size schedule says (tree positions, the tree attention pass, the
     accepted nodes' KV moved), and among the accepted paths are nodes that are not their
     parent's first child (local 2, the root's second child, or deeper nodes under it), whose
-    acceptance leaves the output exact only if all three are right; the chain engine's never."""
+    acceptance leaves the output exact only if all three are right."""
     from vllm_recycling.config import RecyclingConfig
 
     template = RecyclingConfig.from_dict({"method": "recycling", "verify": "tree",
                                          "num_speculative_tokens": 12}).draft_template()
     rank = template.rank.tolist()
-    tree, chain = engines["tree"], engines["chain"]
-    assert chain["tree_steps"] == 0 and tree["tree_steps"] > 0
+    tree = engines["tree"]
+    assert tree["tree_steps"] > 0
     # vLLM's batch-size schedule: all 12 nodes alone, the first 5 with others (batch 3)
     assert tree["widths"] == [6, 13]
     assert any(rank[node] > 0 for path in tree["paths"] for node in path if node >= 0), tree["paths"]

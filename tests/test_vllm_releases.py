@@ -139,7 +139,7 @@ MRV2_SOURCES = {
     "0.34.0": {"RecyclingSpeculatorOptions": "489aa2fc045a", "LearnFromPlainSteps": "8b2c419eca0e",
                "LearnFromVerifiedSteps": "cb7dafb6b9fe", "SampleEveryRowAsAPlainStep": "5c30a8715dab",
                "TreePositions": "a73828dcb06c", "TreePlaceholders": "833712ecd97d",
-               "TreeAttentionTriton": "3c9b038aa752"},
+               "TreeRequestParams": "13f2065aad26", "TreeAttentionTriton": "3c9b038aa752"},
 }
 
 # In vLLM 0.34's Python: the MRV2 adapter applied (twice: once), the method registered, and what
@@ -198,7 +198,7 @@ def test_the_mrv2_adapter_applies_to_034(survey):
     # platformless Python, whose source check it passes all the same
     assert found["applied"] == ["recycling_speculator_options", "learn_from_plain_steps",
                                 "learn_from_verified_steps", "sample_every_row_as_a_plain_step",
-                                "tree_positions", "tree_placeholders"]
+                                "tree_positions", "tree_placeholders", "tree_request_params"]
     assert found["again"] == []
     assert found["registered"] == ["recycling"]
     assert found["config_class"] == "RecyclingSpeculatorConfig"

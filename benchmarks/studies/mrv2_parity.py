@@ -59,7 +59,7 @@ def worker(args) -> dict:
     from vllm_recycling.tools.models import prepare_model
     from vllm_recycling.tools.prompts import spec_bench_questions
 
-    questions = [q["turns"][0] for q in spec_bench_questions(None, per_category=1)]
+    questions = [q["turns"][0] for q in spec_bench_questions(None, per_category=1)][: args.prompts or None]
     spec = json.loads(args.spec) if args.spec else None
     llm = LLM(str(prepare_model(args.model)), speculative_config=spec, dtype="float32",
               enforce_eager=True, max_model_len=2048, max_num_seqs=len(questions), seed=0,
@@ -81,7 +81,7 @@ def run(label: str, venv: str, spec: dict | None, attention: str | None, args) -
         env["VLLM_RECYCLING_GPU_PATH_ON_CPU"] = "1"
     with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
         argv = [str(python), __file__, "--worker", out.name, "--model", args.model,
-                "--max-tokens", str(args.max_tokens), "--spec", json.dumps(spec) if spec else ""]
+                "--max-tokens", str(args.max_tokens), "--prompts", str(args.prompts), "--spec", json.dumps(spec) if spec else ""]
         print(f"{label} ...", flush=True)
         started = time.monotonic()
         subprocess.run(argv, env=env, check=True, stdout=subprocess.DEVNULL)
@@ -92,7 +92,7 @@ def run(label: str, venv: str, spec: dict | None, attention: str | None, args) -
 def markdown(report: dict) -> str:
     lines = [f"# Model Runner V2 (vLLM 0.34) against V1 (vLLM 0.32): {report['model']}, float32, greedy",
              "", f"{report['date']}, {report['machine']}", "", f"Command: `{report['command']}`", "",
-             f"{report['prompts']} prompts (the first of each Spec-Bench category in the shipped sample, chat template) in one batch, "
+             f"{report['prompts']} prompts (the first of each of the first {report['prompts']} Spec-Bench categories in the shipped sample, chat template) in one batch, "
              f"up to {report['max_tokens']} new tokens; every recycling run from an empty matrix. "
              "Tokens per step = tokens / (tokens - accepted), every step counted.", "",
              "| run | tokens | drafting steps | accepted | tokens per step | prompts identical to none |",
@@ -109,6 +109,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--prompts", type=int, default=0,
+                        help="the first N categories' prompts (0: all 13); trees on Triton's interpreter are slow")
     parser.add_argument("--only", default="", help="run the runs whose label contains this (e.g. 'tree,none')")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--spec", default="", help=argparse.SUPPRESS)
